@@ -1,0 +1,24 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import macinfer  # noqa: E402,F401  (loads OpenBLAS before mlx)
+
+from tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Build-once cache of tiny models: tiny_models('qwen2') -> Path."""
+    built = {}
+
+    def get(arch: str = "llama", **kw):
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = build_tiny_model(path, arch, **kw)
+        return built[key]
+
+    return get

@@ -1,0 +1,124 @@
+"""Tiny random-weight models for tests, built on the spot (nothing downloads).
+
+Each model is written as an mlx-lm directory (config.json, model.safetensors,
+tokenizer files) so `mlx_lm.load` and macinfer load it the same way: that is
+what makes mlx-lm's own output a valid oracle for ours.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. "
+    "Paged attention stores the key value cache in fixed size blocks. "
+    "Continuous batching schedules every request at the token level. "
+    "Speculative decoding drafts tokens and the target model verifies them. "
+    "What is the capital of France? The capital of France is Paris. "
+    "Once upon a time there was a little model that wanted to run on a Mac. "
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ !?.,;:'\"()[]{}<>-_+=*/\\|@#$%^&~`\n"
+)
+
+# Architecture -> config overrides. All share one tiny shape so tests stay fast.
+ARCHS = {
+    "llama": {"model_type": "llama"},
+    "mistral": {"model_type": "mistral"},
+    "qwen2": {"model_type": "qwen2", "attention_bias": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+}
+
+
+def train_tokenizer(out: Path, vocab_size: int = 320) -> None:
+    """Train a byte-level BPE tokenizer and write it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 512,
+            }
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
+
+
+def build_tiny_model(
+    out: Path | str,
+    arch: str = "llama",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    **overrides,
+) -> Path:
+    """Write a random-weight model of `arch` (see ARCHS) to `out` and return it.
+
+    Weights are float32 and scaled up so greedy decoding is not stuck on one token
+    (a flat random model repeats itself, which would make equality tests weak).
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": hidden_size * 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": len(vocab) + 3,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": vocab.get("<|im_end|>", 2),
+        "bos_token_id": vocab.get("<|endoftext|>", 0),
+        "torch_dtype": "float32",
+    }
+    config.update(ARCHS[arch])
+    config.update(overrides)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    # Larger-than-default init gives peaky, varied logits.
+    params = {
+        k: (mx.random.normal(v.shape) * (0.02 if v.ndim == 1 and "bias" in k else 0.3)
+            if v.ndim > 1 or "bias" in k else v).astype(mx.float32)
+        for k, v in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
