@@ -29,10 +29,10 @@ class LLM:
         >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, dequantize: bool = False, **engine_options):
         from macinfer.loader import load_model
 
-        self.model, self.tokenizer, self.info = load_model(model)
+        self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)
         self.engine_options = engine_options
 
     # -- prompts ---------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""`macinfer run`: greedy output equals mlx-lm's, seeded sampling repeats, bad input is one line."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from oracle import mlx_lm_greedy, mlx_lm_load
+
+from macinfer.cli import main
+
+PROMPT = "Paged attention stores the key value cache"
+
+
+def run(*args, input=None):
+    result = CliRunner().invoke(main, ["run", *map(str, args)], input=input)
+    return result
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_matches_mlx_lm(tiny_models, arch):
+    path = tiny_models(arch)
+    r = run(path, PROMPT, "--json", "--no-chat-template", "-n", 24, "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    _, tok = mlx_lm_load(str(path))
+    want = mlx_lm_greedy(path, tok.encode(PROMPT), 24)
+    assert got["token_ids"] == want
+    assert got["generation_tokens"] == len(want)
+    assert got["prompt_tokens"] == len(tok.encode(PROMPT))
+
+
+def test_chat_template_and_system_prompt(tiny_models):
+    path = tiny_models("llama")
+    r = run(path, "What is the capital of France?", "--system", "Be brief.", "--json", "-n", 10, "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    _, tok = mlx_lm_load(str(path))
+    ids = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+    assert got["prompt_tokens"] == len(ids)
+    assert got["token_ids"] == mlx_lm_greedy(path, ids, 10)
+
+
+def test_stats_line_and_streamed_text(tiny_models):
+    path = tiny_models("qwen2")
+    r = run(path, PROMPT, "-n", 8, "--no-chat-template", "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    for field in ("prompt", "TTFT", "prefill", "generated", "decode", "peak mem", "bandwidth"):
+        assert field in line
+    assert "of 100.0 GB/s (flag)" in line
+
+
+def test_bandwidth_figure_is_bytes_times_rate_over_peak(tiny_models):
+    from macinfer.loader import load_model
+
+    path = tiny_models("llama")
+    r = run(path, PROMPT, "--json", "-n", 16, "--no-chat-template", "--peak-bandwidth", 50)
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    _, _, info = load_model(str(path))
+    # weights read per step (tied embeddings: all of them) + KV of the mean context.
+    kv = info.kv_bytes_per_token * (s["prompt_tokens"] + (s["generation_tokens"] - 1) / 2 + 0.5 - 1)
+    assert s["bytes_per_decode_step"] == pytest.approx(info.weight_bytes + kv, rel=0.02)
+    assert s["bandwidth_utilisation"] == pytest.approx(s["bytes_per_decode_step"] * s["decode_tps"] / 50e9, rel=1e-6)
+
+
+def test_seeded_sampling_is_reproducible(tiny_models):
+    path = tiny_models("llama")
+    args = (path, PROMPT, "--json", "-n", 16, "--temp", 1.0, "--top-p", 0.95, "--peak-bandwidth", 100)
+    a = json.loads(run(*args, "--seed", 7).stdout.strip().splitlines()[-1])["token_ids"]
+    b = json.loads(run(*args, "--seed", 7).stdout.strip().splitlines()[-1])["token_ids"]
+    c = json.loads(run(*args, "--seed", 8).stdout.strip().splitlines()[-1])["token_ids"]
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/nonexistent/model", "hi"], "no such model"),
+        (["{tiny}", ""], "prompt is empty"),
+        (["{tiny}", "hi", "--temp", "-1"], "temperature must be >= 0"),
+        (["{tiny}", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["{tiny}", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["{tiny}", "hi", "--max-tokens", "0"], "max_tokens must be"),
+        (["{tiny}", "word " * 600], "holds at most 512"),
+        (["{nocfg}", "hi"], "no config.json"),
+        (["{noweights}", "hi"], "no *.safetensors"),
+        (["{corrupt}", "hi"], "could not load the weights"),
+        (["{unknown}", "hi"], "unknown architecture"),
+    ],
+)
+def test_bad_input_is_one_line(tiny_models, tmp_path, args, message):
+    import shutil
+
+    tiny = tiny_models("llama")
+    dirs = {}
+    for name in ("nocfg", "noweights", "corrupt", "unknown"):
+        d = tmp_path / name
+        shutil.copytree(tiny, d)
+        dirs[name] = d
+    (dirs["nocfg"] / "config.json").unlink()
+    (dirs["noweights"] / "model.safetensors").unlink()
+    data = (dirs["corrupt"] / "model.safetensors").read_bytes()
+    (dirs["corrupt"] / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cfg = json.loads((dirs["unknown"] / "config.json").read_text())
+    cfg["model_type"] = "no_such_arch"
+    (dirs["unknown"] / "config.json").write_text(json.dumps(cfg))
+    args = [a.format(tiny=tiny, **dirs) for a in args]
+    r = run(*args)
+    assert r.exit_code != 0
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert message in err
+    assert "Traceback" not in r.output
