@@ -1,0 +1,509 @@
+"""The Metal paged-attention kernel's algorithm, its source, and backend selection, on the CPU.
+
+Nothing here runs on Metal. Three oracles instead:
+- a tiny gather + SDPA (below): the NumPy algorithm reference must match it;
+- the NumPy algorithm reference: METAL_SOURCE, compiled as C++ against a shim of
+  the Metal built-ins and run by a small SIMT emulator (32-lane simdgroups as
+  fibers, simd_sum and threadgroup_barrier as sync points), must match it;
+- monkeypatched kernels for the selection logic (compile failure, run failure,
+  mismatch, and a correct kernel).
+"""
+
+import contextlib
+import ctypes
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer import metal_attention as ma
+from macinfer.errors import MacinferError
+
+
+def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None, sinks=None):
+    """Oracle: gather each row's blocks to contiguous K/V, then MLX's SDPA."""
+    B, H, QL, D = queries.shape
+    BS = k_pool.shape[1]
+    out = []
+    for b, C in enumerate(int(c) for c in context_lens):
+        ids = block_tables[b, : -(-C // BS)]
+        k = k_pool[ids].reshape(-1, *k_pool.shape[2:])[:C].transpose(1, 0, 2)[None]  # (1, KVH, C, D)
+        v = v_pool[ids].reshape(-1, *v_pool.shape[2:])[:C].transpose(1, 0, 2)[None]
+        pos = mx.arange(C - QL, C)[:, None]
+        key = mx.arange(C)[None]
+        mask = key <= pos
+        if window:
+            mask = mask & (key > pos - window)
+        out.append(mx.fast.scaled_dot_product_attention(queries[b: b + 1], k, v, scale=scale, mask=mask))
+    return mx.concatenate(out)
+
+
+def poison_unused_slots(args):
+    """NaN in every pool slot no query may read: tails of last blocks, null and spare blocks."""
+    BS = args["k_pool"].shape[1]
+    used = np.zeros(args["k_pool"].shape[:2], bool)
+    tables = np.array(args["block_tables"])
+    for b, C in enumerate(args["context_lens"]):
+        for pos in range(C):
+            used[tables[b, pos // BS], pos % BS] = True
+    for name in ("k_pool", "v_pool"):
+        pool = np.array(args[name])
+        pool[~used] = np.nan
+        args[name] = mx.array(pool)
+    return args
+
+
+def assert_close(got, want, tol=1e-5):
+    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert got.shape == want.shape
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- algorithm reference vs gather + SDPA
+
+
+def lengths(BS, q_len):
+    # ending on a block boundary, one past it, one short of it, and the shortest legal row
+    return [2 * BS, 3 * BS + 1, 5 * BS - 1, q_len]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("gqa", [1, 3, 4])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+def test_reference_matches_gather_sdpa(block_size, gqa, q_len):
+    window = None if q_len % 2 else block_size + 3  # windows that start mid-block
+    args = ma.random_problem(
+        block_size * 10 + gqa * 3 + q_len, context_lens=lengths(block_size, q_len), q_len=q_len,
+        n_heads=2 * gqa, n_kv_heads=2, head_dim=32, block_size=block_size, window=window)
+    args = poison_unused_slots(args)
+    want = gather_sdpa(**args)
+    assert_close(ma.paged_attention_online(**args), want)
+    assert_close(ma.paged_attention_online(**args, n_partitions=3), want)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 17, 1000])
+def test_reference_windows(window):
+    args = poison_unused_slots(ma.random_problem(
+        window, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
+        block_size=8, window=window))
+    assert_close(ma.paged_attention_online(**args, n_partitions=2), gather_sdpa(**args))
+
+
+@pytest.mark.parametrize("context_lens", [[1], [9], [64], [3, 200, 17, 8, 33, 1]])
+def test_reference_batch_shapes(context_lens):
+    args = poison_unused_slots(ma.random_problem(
+        len(context_lens), context_lens=context_lens, q_len=1, n_heads=3, n_kv_heads=3,
+        head_dim=24, block_size=8))
+    assert_close(ma.paged_attention_online(**args), gather_sdpa(**args))
+
+
+def test_reference_accepts_lists_and_keeps_dtype():
+    args = ma.random_problem(1, context_lens=[10, 3], q_len=2, head_dim=16, block_size=4, dtype=mx.bfloat16)
+    want = gather_sdpa(**{**args, **{k: args[k].astype(mx.float32) for k in ("queries", "k_pool", "v_pool")}})
+    tables = [[int(i) for i in row if i] for row in args["block_tables"].tolist()]
+    got = ma.paged_attention_online(**{**args, "block_tables": tables})
+    assert got.dtype == mx.bfloat16
+    assert_close(got, want, tol=2e-2)
+
+
+def test_reference_matches_engine_paged_attention():
+    engine = pytest.importorskip("macinfer.paged_attention")
+    for i, case in enumerate(ma.self_check_cases(block_size=8, head_dim=32)):
+        args = ma.random_problem(i, head_dim=32, block_size=8, **case)
+        assert_close(ma.paged_attention_online(**args), engine.paged_attention(**args))
+
+
+# ---------------------------------------------------------------- the Metal source
+
+
+def test_metal_source_builds_into_kernel_object():
+    ma.build_kernel.cache_clear()
+    assert ma.build_kernel() is not None
+    if not mx.metal.is_available():
+        args = ma.random_problem(0, context_lens=[5], block_size=4, head_dim=32)
+        with pytest.raises(RuntimeError, match="Metal"):
+            mx.eval(ma.paged_attention_metal(**args))
+
+
+def test_launch_config():
+    args = ma.random_problem(0, context_lens=[5, 40], q_len=3, n_heads=6, n_kv_heads=2, head_dim=64, block_size=16)
+    launch = ma.kernel_launch(**args)
+    assert launch["grid"] == (1024, 18, 2) and launch["threadgroup"] == (1024, 1, 1)
+    assert launch["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("NSG", 32)]
+    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32]
+    assert ma.default_simdgroups(128) == 32 and ma.default_simdgroups(256) == 16
+
+
+# A C++ stand-in for the Metal built-ins the kernel uses. Address spaces vanish,
+# `threadgroup` arrays become function statics (one threadgroup runs at a time),
+# and each GPU thread is a fiber that yields at simd_sum / threadgroup_barrier.
+SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <ucontext.h>
+#define device
+#define constant
+#define threadgroup static
+typedef unsigned int uint;
+struct uint3 { uint x, y, z; };
+typedef _Float16 float16_t;
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) { uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); bits = u >> 16; }
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+namespace metal {
+using std::max;
+inline float exp(float x) { return std::exp(x); }
+}
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+
+enum { RUNNING, AT_SIMD, AT_BARRIER, DONE };
+struct Fiber { ucontext_t ctx; int state; float val, result; };
+static ucontext_t sched;
+static Fiber* fibers;
+static Fiber* cur;
+static char* stacks;
+static const size_t STACK = 64 * 1024;
+static void (*body)(int);
+
+float simd_sum(float x) { cur->val = x; cur->state = AT_SIMD; swapcontext(&cur->ctx, &sched); return cur->result; }
+void threadgroup_barrier(mem_flags) { cur->state = AT_BARRIER; swapcontext(&cur->ctx, &sched); }
+static void trampoline(int i) { body(i); fibers[i].state = DONE; }
+
+// Run one threadgroup of n threads (n % 32 == 0); returns 0, or 1 on divergence / deadlock.
+static int run_group(int n, void (*fn)(int)) {
+  if (!fibers) { fibers = new Fiber[1024]; stacks = (char*)std::malloc(1024 * STACK); }
+  body = fn;
+  for (int i = 0; i < n; ++i) {
+    getcontext(&fibers[i].ctx);
+    fibers[i].ctx.uc_stack.ss_sp = stacks + i * STACK;
+    fibers[i].ctx.uc_stack.ss_size = STACK;
+    fibers[i].ctx.uc_link = &sched;
+    makecontext(&fibers[i].ctx, (void (*)())trampoline, 1, i);
+    fibers[i].state = RUNNING;
+  }
+  for (;;) {
+    bool moved = false;
+    for (int sg = 0; sg < n / 32; ++sg) {
+      Fiber* f = fibers + sg * 32;
+      if (f[0].state == AT_BARRIER || f[0].state == DONE) continue;
+      for (int l = 0; l < 32; ++l) { cur = f + l; swapcontext(&sched, &f[l].ctx); }
+      for (int l = 1; l < 32; ++l) if (f[l].state != f[0].state) return 1;  // divergent sync point
+      if (f[0].state == AT_SIMD) {
+        float s = 0; for (int l = 0; l < 32; ++l) s += f[l].val;
+        for (int l = 0; l < 32; ++l) { f[l].result = s; f[l].state = RUNNING; }
+      }
+      moved = true;
+    }
+    if (moved) continue;
+    int done = 0; for (int i = 0; i < n; ++i) done += fibers[i].state == DONE;
+    if (done == n) return 0;
+    if (done) return 1;  // some threads exited while others wait at a barrier
+    for (int i = 0; i < n; ++i) fibers[i].state = RUNNING;  // everyone at the barrier
+  }
+}
+"""
+
+# Metal attributes MLX passes when the source mentions them -> their value in the emulator.
+ATTRIBUTES = {
+    "simdgroup_index_in_threadgroup": "tid / 32",
+    "thread_index_in_simdgroup": "tid % 32",
+    "thread_position_in_threadgroup": "uint3{tid, 0, 0}",
+    "threadgroup_position_in_grid": "uint3{0, gy, gz}",
+}
+
+
+@contextlib.contextmanager
+def stdout_fd_to(path):
+    """Redirect file descriptor 1 (where MLX's C++ `verbose` printing goes) to a file."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def mlx_generated_source(kernel, launch, tmp_dir) -> str:
+    """The complete Metal source MLX generates for this call (signature included).
+
+    Without Metal a kernel call raises before generating it, except while exporting
+    a function: then MLX records the call, and verbose=True prints the source.
+    """
+    def call(*inputs):
+        return kernel(**{**launch, "inputs": list(inputs)}, verbose=True)[0]
+
+    log = tmp_dir / "verbose.txt"
+    with stdout_fd_to(log):
+        mx.export_function(str(tmp_dir / "kernel.mlxfn"), call, *launch["inputs"])
+    return log.read_text().split("```\n", 1)[1].rsplit("\n```", 1)[0]
+
+
+def emulator_cpp(key, generated) -> str:
+    """MLX's generated kernel plus a runner `run_<key>` that calls it once per GPU thread."""
+    fn, params = re.search(r"\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", generated, re.S).groups()
+    targs = re.search(rf"decltype\({fn}<([^>]*)>\)", generated).group(1)
+    call = []
+    for param in params.split(",\n"):
+        name = re.search(r"(\w+) \[\[", param).group(1)
+        ctype = param.split(f" {name} [[")[0].replace("constant ", "").replace("device ", "").strip()
+        if name in ma.INPUT_NAMES:
+            call.append(f"({ctype})g_in[{ma.INPUT_NAMES.index(name)}]")
+        elif name.endswith("_shape"):
+            call.append(f"({ctype})g_shape[{ma.INPUT_NAMES.index(name[:-6])}]")
+        elif name == "out":
+            call.append(f"({ctype})g_out")
+        else:
+            assert name in ATTRIBUTES, f"the emulator does not model the Metal attribute {name}"
+            call.append(ATTRIBUTES[name])
+    nsg = int(targs.split(",")[3])
+    return f"""
+namespace {key} {{
+{generated}
+static void** g_in; static int** g_shape; static void* g_out; static uint gy, gz;
+static void thread(int i) {{ uint tid = i; {fn}<{targs}>({", ".join(call)}); }}
+}}
+extern "C" int run_{key}(void** in, int** shape, void* out, int groups_y, int groups_z) {{
+  using namespace {key};
+  g_in = in; g_shape = shape; g_out = out;
+  for (gz = 0; gz < (uint)groups_z; ++gz)
+    for (gy = 0; gy < (uint)groups_y; ++gy)
+      if (run_group({32 * nsg}, thread)) return 1;
+  return 0;
+}}
+"""
+
+
+WINDOW_BUG = ma.METAL_SOURCE.replace("p - W + 1", "p - W")  # an off-by-one the self-check must catch
+assert WINDOW_BUG != ma.METAL_SOURCE
+# What the emulator is built for: key -> (source, dtype, head_dim, block_size, n_simdgroups).
+CONFIGS = {
+    "f32_d32_b8_n3": (ma.METAL_SOURCE, mx.float32, 32, 8, 3),
+    "f32_d32_b16_n1": (ma.METAL_SOURCE, mx.float32, 32, 16, 1),
+    "f32_d40_b32_n2": (ma.METAL_SOURCE, mx.float32, 40, 32, 2),
+    "f32_d64_b16_n32": (ma.METAL_SOURCE, mx.float32, 64, 16, 32),
+    "f16_d64_b16_n32": (ma.METAL_SOURCE, mx.float16, 64, 16, 32),
+    "bf16_d64_b16_n32": (ma.METAL_SOURCE, mx.bfloat16, 64, 16, 32),
+    "bug_d64_b16_n32": (WINDOW_BUG, mx.float32, 64, 16, 32),
+}
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    """emulator(args, n_simdgroups=None, key=None) -> output of METAL_SOURCE run on the CPU."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the Metal-source emulator")
+    d = tmp_path_factory.mktemp("metal_emulator")
+    code = [SHIM]
+    for key, (source, dtype, D, BS, NSG) in CONFIGS.items():
+        kernel = ma.build_kernel() if source is ma.METAL_SOURCE else mx.fast.metal_kernel(
+            name=key, input_names=list(ma.INPUT_NAMES), output_names=["out"], source=source)
+        sample = ma.random_problem(0, context_lens=[3], head_dim=D, block_size=BS, dtype=dtype)
+        code.append(emulator_cpp(key, mlx_generated_source(kernel, ma.kernel_launch(**sample, n_simdgroups=NSG), d)))
+    (d / "kernels.cpp").write_text("".join(code))
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wall", "-Wno-attributes", "-Wno-unused-variable",
+         "-o", str(d / "kernels.so"), str(d / "kernels.cpp")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    lib = ctypes.CDLL(str(d / "kernels.so"))
+    by_config = {cfg[1:]: key for key, cfg in CONFIGS.items() if cfg[0] is ma.METAL_SOURCE}
+    as_bits = {mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
+
+    def run(args, n_simdgroups=None, key=None):
+        launch = ma.kernel_launch(**args, n_simdgroups=n_simdgroups)
+        t = dict(launch["template"])
+        key = key or by_config[(t["T"], t["D"], t["BS"], t["NSG"])]
+        ins = [np.ascontiguousarray(np.array(a.view(as_bits[a.dtype]) if a.dtype in as_bits else a))
+               for a in launch["inputs"]]
+        shapes = [np.array(a.shape, np.int32) for a in ins]
+        out = np.zeros(launch["output_shapes"][0], ins[0].dtype)
+        int_p = ctypes.POINTER(ctypes.c_int)
+        gx, gy, gz = (math.ceil(g / t) for g, t in zip(launch["grid"], launch["threadgroup"]))
+        assert gx == 1
+        rc = getattr(lib, f"run_{key}")(
+            (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins]),
+            (int_p * len(ins))(*[s.ctypes.data_as(int_p) for s in shapes]),
+            ctypes.c_void_p(out.ctypes.data), gy, gz)
+        assert rc == 0, "divergent simd_sum or barrier in the kernel"
+        dtype = launch["output_dtypes"][0]
+        return mx.array(out).view(dtype) if dtype in as_bits else mx.array(out)
+
+    return run
+
+
+@pytest.mark.parametrize("n_simdgroups,block_size,head_dim", [(3, 8, 32), (1, 16, 32), (2, 32, 40)])
+@pytest.mark.parametrize("q_len,gqa,window", [(1, 1, None), (3, 3, None), (2, 4, 11), (4, 2, 40)])
+def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window):
+    args = ma.random_problem(
+        q_len * 7 + gqa, context_lens=lengths(block_size, q_len), q_len=q_len, n_heads=2 * gqa,
+        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window)
+    args = poison_unused_slots(args)
+    got = emulator(args, n_simdgroups=n_simdgroups)
+    assert_close(got, ma.paged_attention_online(**args, n_partitions=n_simdgroups), tol=2e-6)
+    assert_close(got, gather_sdpa(**args))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_metal_source_half_types_in_emulator(emulator, dtype):
+    args = ma.random_problem(3, context_lens=[700, 33], q_len=2, n_heads=4, n_kv_heads=2, dtype=dtype)
+    got = emulator(args)
+    assert got.dtype == dtype
+    assert_close(got, ma.paged_attention_online(**args), tol=ma.TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------- selection
+
+
+@pytest.fixture
+def no_kernel_calls(monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("the kernel must not be built or called here")
+
+    monkeypatch.setattr(ma, "build_kernel", forbidden)
+    monkeypatch.setattr(ma, "paged_attention_metal", forbidden)
+
+
+def test_reference_mode_never_touches_the_kernel(no_kernel_calls, monkeypatch):
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+    assert ma.select_attention("reference", gather_sdpa) == (gather_sdpa, "reference")
+
+
+def test_no_metal_means_reference_without_warning(no_kernel_calls, monkeypatch):
+    monkeypatch.setattr(ma, "metal_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ma.select_attention("auto", gather_sdpa) == (gather_sdpa, "reference")
+    with pytest.raises(MacinferError, match="needs Metal"):
+        ma.select_attention("metal", gather_sdpa)
+
+
+def test_this_host_selects_reference():
+    if mx.metal.is_available():
+        pytest.skip("Metal host")
+    assert ma.select_attention("auto", gather_sdpa) == (gather_sdpa, "reference")
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError, match="reference, metal, auto"):
+        ma.select_attention("fast", gather_sdpa)
+
+
+def _select_with_one_warning(match):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn, backend = ma.select_attention("auto", gather_sdpa)
+    assert (fn, backend) == (gather_sdpa, "reference")
+    assert len(caught) == 1 and caught[0].category is ma.MetalAttentionWarning
+    assert match in str(caught[0].message)
+    return str(caught[0].message)
+
+
+def test_compile_failure_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+
+    def broken(*a, **k):
+        raise RuntimeError("program_source:12:5: error: use of undeclared identifier 'qv'")
+
+    monkeypatch.setattr(ma, "paged_attention_metal", broken)
+    msg = _select_with_one_warning("failed to compile or run")
+    assert "undeclared identifier" in msg
+    with pytest.raises(MacinferError, match="failed to compile"):
+        ma.select_attention("metal", gather_sdpa)
+
+
+def test_run_failure_of_real_kernel_falls_back(monkeypatch):
+    """Pretend Metal exists: the real kernel builds, then raises when evaluated here."""
+    if mx.metal.is_available():
+        pytest.skip("Metal host")
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+    _select_with_one_warning("No Metal back-end")
+
+
+def test_mismatch_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+    calls = []
+
+    def slightly_wrong(queries, *a, **k):
+        calls.append(queries.dtype)
+        return ma.paged_attention_online(queries, *a, **k) * 1.01
+
+    monkeypatch.setattr(ma, "paged_attention_metal", slightly_wrong)
+    _select_with_one_warning("disagrees with the reference")
+    assert calls == [mx.float32]  # float32 goes first and the check stops at the first mismatch
+
+
+def emulated_kernel(emulator, key=None):
+    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None):
+        return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+                             context_lens=context_lens, scale=scale, window=window), key=key)
+
+    return paged_attention_metal
+
+
+def test_emulated_metal_source_passes_self_check_and_is_selected(emulator, monkeypatch):
+    """The full self-check (float16, bfloat16, float32) run on METAL_SOURCE itself."""
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+    monkeypatch.setattr(ma, "build_kernel", lambda: object())
+    monkeypatch.setattr(ma, "paged_attention_metal", emulated_kernel(emulator))
+    reference_calls = []
+
+    def reference(*a, **k):
+        reference_calls.append(k)
+        return gather_sdpa(*a, **k)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn, backend = ma.select_attention("auto", reference)
+    assert backend == "metal"
+    assert len(reference_calls) == 3 * len(ma.self_check_cases(16, 64))
+    reference_calls.clear()
+    args = ma.random_problem(9, context_lens=[20, 9], q_len=2)
+    assert_close(fn(**args), gather_sdpa(**args))
+    assert reference_calls == []
+    fn(**args, sinks=mx.zeros((4,)))  # what the kernel does not cover goes to the reference
+    assert len(reference_calls) == 1 and reference_calls[0]["sinks"] is not None
+
+
+def test_emulated_buggy_source_is_rejected(emulator):
+    """The self-check has teeth: a window off by one key fails it, in the windowed case."""
+    buggy = emulated_kernel(emulator, key="bug_d64_b16_n32")
+    failure = ma.self_check(buggy, gather_sdpa, dtypes=(mx.float32,))
+    assert failure and "disagrees" in failure and "case 2" in failure
+
+
+def test_emulated_kernel_passes_self_check_against_engine_reference(emulator):
+    engine = pytest.importorskip("macinfer.paged_attention")
+    assert ma.self_check(emulated_kernel(emulator), engine.paged_attention, dtypes=(mx.float32,)) is None
+
+
+def test_bench_script_runs_without_metal(capsys):
+    if mx.metal.is_available():
+        pytest.skip("Metal host")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--contexts", "64,100", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "no Metal" in out and "timing the reference path only" in out
+    assert [line.split()[0] for line in out.splitlines()[-2:]] == ["64", "100"]
