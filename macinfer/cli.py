@@ -171,6 +171,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
         click.echo(json.dumps({"model": info.name, "text": out.text, "token_ids": out.token_ids, **stats}))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         click.echo(stats_line(stats), err=True)
 
 
