@@ -1,20 +1,19 @@
 """The Python entry point: `LLM(model).generate(prompts, params)`.
 
-INTERIM single-stream implementation on mlx-lm's generate_step; the paged,
-continuously-batched engine replaces its internals behind the same interface.
+A thin synchronous front over `LLMEngine` (paged KV cache, continuous batching):
+`generate` queues every prompt and steps the engine until all are done, so the
+prompts are served as one continuously-batched workload; `stream` steps it for
+one request and yields its text deltas.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Iterable, Iterator
 
-import mlx.core as mx
-
+from macinfer.engine import LLMEngine
 from macinfer.errors import MacinferError
 from macinfer.outputs import RequestOutput, StreamDelta
-from macinfer.sampling import Sampler, SamplingParams
+from macinfer.sampling import SamplingParams
 
 
 class LLM:
@@ -34,6 +33,7 @@ class LLM:
 
         self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)
         self.engine_options = engine_options
+        self.engine = LLMEngine(self.model, self.tokenizer, self.info, **engine_options)
 
     # -- prompts ---------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -54,56 +54,58 @@ class LLM:
 
     # -- generation ------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield text deltas as tokens are produced; the last delta carries the output."""
-        params = params or SamplingParams()
+        """Yield text deltas as tokens are produced; the last delta carries the output.
+
+        Closing the generator early aborts the request (its blocks are freed).
+        """
         ids = self.encode(prompt)
         self.info.check_context(len(ids))
-        from mlx_lm.generate import generate_step
+        rid = self.engine.add_request(ids, params or SamplingParams())
+        done = False
+        try:
+            while not done:
+                for d in self.engine.step():
+                    if d.request_id == rid:
+                        done = d.output is not None
+                        yield d
+        finally:
+            if not done:
+                self.engine.abort_request(rid)  # frees its blocks now
 
-        out = RequestOutput(request_id=uuid.uuid4().hex[:12], prompt_token_ids=ids)
-        m = out.metrics
-        m.arrival_time = time.perf_counter()
-        m.prompt_tokens = len(ids)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        eos = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
-        sampler = Sampler(params)
-        max_tokens = min(params.max_tokens, self.info.context_length - len(ids))
-        steps = generate_step(mx.array(ids), self.model, max_tokens=max_tokens, sampler=sampler)
-        finish = "length"
-        for tok, _ in steps:
-            tok = int(tok)
-            now = time.perf_counter()
-            if m.first_token_time is None:
-                m.first_token_time = now
-            else:
-                m.decode_steps += 1
-                m.kv_tokens_sum += len(ids) + len(out.token_ids)
-            if tok in eos and not params.ignore_eos:
-                finish = "stop"
-                break
-            out.token_ids.append(tok)
-            m.generation_tokens = len(out.token_ids)
-            detok.add_token(tok)
-            seg = detok.last_segment
-            if seg:
-                yield StreamDelta(out.request_id, seg, [tok])
-        detok.finalize()
-        tail = detok.last_segment
-        out.text = detok.text
-        m.finish_time = time.perf_counter()
-        out.finish_reason = finish
-        yield StreamDelta(out.request_id, tail, [], finish, out)
+    def generate(
+        self,
+        prompts: str | list[int] | Iterable,
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched; outputs in the prompts' order.
 
-    def generate(self, prompts: str | list[int] | Iterable, params: SamplingParams | None = None) -> list[RequestOutput]:
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            params: one SamplingParams for all, or one per prompt.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        outs = []
-        for p in prompts:
-            for d in self.stream(p, params):
-                if d.output is not None:
-                    outs.append(d.output)
-        return outs
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise MacinferError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.encode(p) for p in prompts]
+        for i in ids:
+            self.info.check_context(len(i))
+        rids = [self.engine.add_request(i, p) for i, p in zip(ids, params)]
+        wanted = set(rids)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while len(results) < len(rids):
+                for d in self.engine.step():
+                    if d.output is not None and d.request_id in wanted:
+                        results[d.request_id] = d.output
+        finally:
+            for rid in rids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[r] for r in rids]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.apply_chat_template(messages)], params)[0]

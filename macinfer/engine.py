@@ -1,0 +1,339 @@
+"""LLMEngine: requests in, streamed deltas out, one scheduled step at a time.
+
+    engine = LLMEngine(model, tokenizer, info, kv_memory="2GB")
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for delta in engine.step():          # StreamDelta per request that moved
+            print(delta.text, end="")         # delta.output is set on the last one
+
+A step is: schedule -> run the model -> append tokens, check stops -> free the
+finished (nano-vllm's shape). The engine is single-threaded: one thread owns it
+and calls step(); other threads hand it requests through that thread.
+
+KV budget: `kv_memory` (bytes or "2GB"; binary units) sets the pool size. By
+default, on a Mac: the recommended Metal working set minus the weights minus a
+margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
+of full context length could use. `describe()` reports the resulting capacity.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from macinfer.block_pool import BlockPool
+from macinfer.errors import MacinferError
+from macinfer.model_runner import ModelRunner
+from macinfer.outputs import RequestOutput, StreamDelta
+from macinfer.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.sampling import SamplingParams
+from macinfer.scheduler import Scheduler, SchedulerConfig
+from macinfer.sequence import Sequence, SequenceStatus
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+
+
+def parse_memory(value: int | float | str) -> int:
+    """'2GB' / '512MiB' / '1.5g' / 1000000 -> bytes (binary units: 1GB = 2**30).
+
+    Example:
+        >>> parse_memory("2GB")
+        2147483648
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise MacinferError(f"cannot read '{value}' as a memory size: write e.g. 2GB, 512MB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise MacinferError(f"the KV memory budget must be positive, got {value}")
+    return n
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (what `LLM(model, **engine_options)` and the CLI pass).
+
+    Args:
+        kv_memory: KV pool budget, bytes or a string like "2GB"; None for the default.
+        num_blocks: exact pool size in blocks (overrides kv_memory; tests, benchmarks).
+        block_size: token slots per KV block.
+        max_num_seqs: sequences decoding at once.
+        max_num_batched_tokens: tokens per step (prefill chunk size + decodes).
+        max_model_len: longest sequence; None for the model's context length.
+        verbose: print the KV budget and capacity at start-up.
+    """
+
+    kv_memory: int | str | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    verbose: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
+        if self.max_num_batched_tokens is None:
+            # A chunk's forward blocks every decode of that step: keep it short where
+            # prefill is slow (CPU, ~50 tok/s on a 135M model) and longer on Metal.
+            self.max_num_batched_tokens = max(512 if mx.metal.is_available() else 128, self.max_num_seqs)
+
+
+def default_kv_memory(weight_bytes: int) -> int:
+    """The KV budget when none is given (see module docstring)."""
+    if mx.metal.is_available():
+        try:
+            info = mx.device_info()
+        except AttributeError:
+            info = mx.metal.device_info()
+        working_set = int(info.get("max_recommended_working_set_size", 0))
+        if working_set:
+            margin = max(1 << 30, working_set // 10)  # activations, other apps
+            return max(256 << 20, working_set - weight_bytes - margin)
+    return 1 << 30
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        model: an mlx-lm model.
+        tokenizer: mlx-lm's TokenizerWrapper (for EOS ids and streaming text).
+        info: macinfer.loader.ModelInfo, or None (context length then comes from
+            max_model_len or the model's config).
+        **options: EngineConfig fields.
+    """
+
+    def __init__(self, model, tokenizer, info=None, **options):
+        self.config = config = EngineConfig(**options)
+        self.model, self.tokenizer, self.info = model, tokenizer, info
+        model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
+        self.specs = inspect_model(model, model_type)
+        self.max_model_len = config.max_model_len or (info.context_length if info is not None else
+                                                      getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
+
+        # KV capacity: budget -> blocks (block 0 is the null block).
+        self.block_size = bs = config.block_size
+        self.bytes_per_token = sum(s.bytes_per_token() for s in self.specs)
+        self.bytes_per_block = self.bytes_per_token * bs
+        weight_bytes = getattr(info, "weight_bytes", 0)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+            self.kv_budget = num_blocks * self.bytes_per_block
+        else:
+            self.kv_budget = (parse_memory(config.kv_memory) if config.kv_memory is not None
+                              else default_kv_memory(weight_bytes))
+            # The null block counts against the budget; no point holding more than
+            # max_num_seqs full-length sequences could fill.
+            useful = (config.max_num_seqs * -(-self.max_model_len // bs) + 1) * self.bytes_per_block
+            num_blocks = min(self.kv_budget, useful) // self.bytes_per_block
+            if num_blocks < 2:
+                raise MacinferError(
+                    f"a KV budget of {_fmt_bytes(self.kv_budget)} holds no {bs}-token block "
+                    f"({_fmt_bytes(self.bytes_per_block)} each): raise kv_memory")
+        self.block_pool = BlockPool(num_blocks, bs)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
+        self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model))
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.requests: dict[str, Sequence] = {}
+        self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
+        if config.verbose:
+            print(self.describe(), file=sys.stderr)
+
+    # -- capacity ---------------------------------------------------------------------
+    @property
+    def num_tokens_capacity(self) -> int:
+        return self.block_pool.num_usable_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One line: the KV budget and what it buys."""
+        windows = sorted({s.window for s in self.specs if s.window})
+        return (
+            f"KV cache: {_fmt_bytes(self.runner.kv_bytes)} of a {_fmt_bytes(self.kv_budget)} budget -> "
+            f"{self.block_pool.num_usable_blocks} blocks x {self.block_size} tokens = {self.num_tokens_capacity} tokens "
+            f"({_fmt_bytes(self.bytes_per_token)}/token, {len(self.specs)} layers"
+            + (f", sliding windows {windows}" if windows else "") + f"); "
+            f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step"
+        )
+
+    def kv_stats(self) -> dict:
+        """KV usage now: blocks, tokens and bytes reserved vs holding live tokens."""
+        pool = self.block_pool
+        used = pool.num_usable_blocks - pool.get_num_free_blocks()
+        live = sum(s.num_computed_tokens for s in self.scheduler.running)
+        return {
+            "num_blocks": pool.num_usable_blocks,
+            "block_size": self.block_size,
+            "used_blocks": used,
+            "free_blocks": pool.get_num_free_blocks(),
+            "capacity_tokens": self.num_tokens_capacity,
+            "live_tokens": live,
+            "reserved_bytes": used * self.bytes_per_block,
+            "live_bytes": live * self.bytes_per_token,
+            "pool_bytes": self.runner.kv_bytes,
+            "usage": pool.usage,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request.
+
+        Args:
+            prompt: token ids (or text, encoded with the tokenizer).
+            params: sampling parameters (default: greedy, 256 tokens).
+            request_id: unique id, or None to draw one.
+            arrival_time: perf_counter() stamp for metrics (default: now).
+
+        Returns:
+            The request id.
+
+        Raises:
+            MacinferError: empty prompt, prompt longer than the context, or a
+                prompt whose KV could never fit in the pool.
+        """
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise MacinferError("the prompt is empty: give some text to complete")
+        if len(ids) >= self.max_model_len:
+            raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
+                                f"{self.max_model_len}: shorten it")
+        if self.block_pool.num_blocks_for(len(ids)) > self.block_pool.num_usable_blocks:
+            raise MacinferError(
+                f"the prompt is {len(ids)} tokens but the KV cache holds {self.num_tokens_capacity} "
+                f"({_fmt_bytes(self.kv_budget)}): raise kv_memory")
+        request_id = request_id or uuid.uuid4().hex[:12]
+        if request_id in self.requests:
+            raise MacinferError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+                       detokenizer=self.tokenizer.detokenizer,
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final delta comes with the next step()."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.abort(request_id)
+        self._pending.append(self._finish(seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduling step.
+
+        Returns:
+            A StreamDelta for every request that produced text or finished (the
+            finished ones carry `output`, the whole RequestOutput).
+        """
+        deltas, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        for seq in out.finished:  # could not fit in the KV cache any more
+            deltas.append(self._finish(seq))
+        if out.is_empty:
+            return deltas
+        now = time.perf_counter()
+        for s in out.scheduled:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        tokens = self.runner.execute_model(out.scheduled)
+        self.scheduler.update_from_output(out)
+        for s, tok in zip(out.scheduled, tokens):
+            if tok is not None:
+                delta = self._process_token(s.seq, tok)
+                if delta is not None:
+                    deltas.append(delta)
+        return deltas
+
+    def _process_token(self, seq: Sequence, tok: int) -> StreamDelta | None:
+        m = seq.metrics
+        now = time.perf_counter()
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.decode_steps += 1
+            m.kv_tokens_sum += seq.num_tokens
+        p = seq.params
+        status = None
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
+        else:
+            seq.append_token(tok)
+            if p.stop and self._truncate_at_stop(seq):
+                status = SequenceStatus.FINISHED_STOPPED
+            elif seq.num_output_tokens >= seq.max_tokens:
+                status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            return self._finish(seq)
+        # Hold back the tail that could still become a stop string.
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        end = max(seq.num_emitted_chars, len(seq.text) - hold)
+        return self._delta(seq, end)
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> bool:
+        # Only the new tail can hold a new match: earlier text was checked already.
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.num_emitted_chars - longest)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop if s) if i >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        seq.detokenizer = None  # freeze the text
+        return True
+
+    def _delta(self, seq: Sequence, end: int) -> StreamDelta | None:
+        text = seq.text[seq.num_emitted_chars: end]
+        new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
+        if not text and not new_ids:
+            return None
+        seq.num_emitted_chars = max(seq.num_emitted_chars, end)
+        seq.num_emitted_tokens = seq.num_output_tokens
+        return StreamDelta(seq.request_id, text, new_ids)
+
+    def _finish(self, seq: Sequence) -> StreamDelta:
+        """The final delta of a finished sequence, with its RequestOutput."""
+        seq.finalize_text()
+        seq.metrics.finish_time = time.perf_counter()
+        seq.metrics.generation_tokens = seq.num_output_tokens
+        delta = self._delta(seq, len(seq.text)) or StreamDelta(seq.request_id, "", [])
+        delta.finish_reason = seq.finish_reason
+        delta.output = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+        )
+        self.requests.pop(seq.request_id, None)
+        return delta

@@ -1,0 +1,131 @@
+"""Runs one scheduled step through the model and samples the next tokens.
+
+Batch shapes. mlx-lm models take (B, L) token arrays with one rope offset per row,
+so a step is cut into a few forwards:
+
+  - every row with 1 new token (decodes, and a 1-token prefill tail) goes into ONE
+    forward of shape (B, 1), rows at different positions (per-row rope offsets,
+    per-row context lengths in attention);
+  - prefill chunks go into (B, L) forwards padded at the end to the longest,
+    grouped so that padding stays under 25% of the rows computed.
+
+Padding a long chunk and 31 decodes into one (32, L) batch would compute
+31 * (L - 1) wasted rows, so the split is the cheaper "mixed batch". The forwards of a step
+are evaluated one after the other (see the NOTE in execute_model).
+
+Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
+a seeded request draws the same tokens whatever else is in the batch. Greedy
+rows share one argmax.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
+from macinfer.scheduler import ScheduledSequence
+
+
+class ModelRunner:
+    """Owns the KV pools of every layer and executes scheduled steps.
+
+    Args:
+        model: an mlx-lm model (already probed by `inspect_model`).
+        specs: one LayerSpec per layer.
+        num_blocks: blocks per pool (block 0 is the null block).
+        block_size: token slots per block.
+        batch_decode: False if the model cannot take per-row rope offsets; decodes
+            then run one row per forward.
+    """
+
+    def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
+                 batch_decode: bool = True):
+        self.model = model
+        self.block_size = block_size
+        self.batch_decode = batch_decode
+        self.ctx = ForwardContext()
+        self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
+        install_attention_patch(model)
+        mx.eval([c.state for c in self.caches])
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def _forward(self, rows: list[ScheduledSequence]) -> mx.array:
+        """One forward over rows padded to the longest -> each row's last real logits (B, V).
+
+        Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
+        the null block, its queries see only garbage that nobody reads.
+        """
+        bs = self.block_size
+        L = max(r.num_new_tokens for r in rows)
+        tokens, blocks, slots, last, starts = [], [], [], [], []
+        for r in rows:
+            seq, start, n = r.seq, r.seq.num_computed_tokens, r.num_new_tokens
+            tokens.append(seq.token_ids[start: start + n] + [0] * (L - n))
+            table = seq.block_table
+            for p in range(start, start + n):
+                blocks.append(table[p // bs])
+                slots.append(p % bs)
+            blocks += [0] * (L - n)
+            slots += [0] * (L - n)
+            last.append(n - 1)
+            starts.append(start)
+        c = self.ctx
+        c.offsets = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
+        c.block_tables = [r.seq.block_table for r in rows]
+        c.context_lens = [s + L for s in starts]
+        c.slot_blocks = mx.array(blocks, dtype=mx.int32)
+        c.slot_offsets = mx.array(slots, dtype=mx.int32)
+        c.memo = {}
+        logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self.caches)  # (B, L, V)
+        if all(n == L - 1 for n in last):
+            return logits[:, -1, :]
+        return logits[mx.arange(len(rows)), mx.array(last)]
+
+    def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
+        """Rows per forward: all 1-token rows together; chunks batched while padding stays small."""
+        if not self.batch_decode:
+            return [[i] for i in range(len(scheduled))]
+        ones = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        groups = [ones] if ones else []
+        chunks = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens > 1),
+                        key=lambda i: -scheduled[i].num_new_tokens)
+        group, real = [], 0
+        for i in chunks:  # longest first, so a group's first row sets its padded length
+            n = scheduled[i].num_new_tokens
+            if group and (len(group) + 1) * scheduled[group[0]].num_new_tokens > 1.25 * (real + n):
+                groups.append(group)
+                group, real = [], 0
+            group.append(i)
+            real += n
+        if group:
+            groups.append(group)
+        return groups
+
+    def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | None]:
+        """Compute this step's tokens; return the sampled token per row (None: mid-prefill)."""
+        pending: list[tuple[list[int], mx.array]] = []  # (row indices, sampled ids)
+        for group in self._groups(scheduled):
+            rows = [scheduled[i] for i in group]
+            logits = self._forward(rows)  # (B, V)
+            greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
+            if greedy:
+                picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]
+                pending.append(([group[j] for j in greedy], mx.argmax(picked, axis=-1)))
+            for j, r in enumerate(rows):
+                if r.samples and not r.seq.sampler.params.greedy:
+                    pending.append(([group[j]], r.seq.sampler(logits[j: j + 1])))
+            # NOTE: evaluate each forward (pools included: a mid-prefill chunk samples
+            # nothing, yet its K/V writes must happen) before building the next. The
+            # pools are updated in place only while no other array shares their
+            # buffer; a later forward chained onto this one's lazy pool views would
+            # copy every pool instead (measured: seconds per step on a 256 MB pool).
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches])
+        out: list[int | None] = [None] * len(scheduled)
+        for idx, ids in pending:
+            for i, t in zip(idx, ids.tolist()):
+                out[i] = t
+        return out
