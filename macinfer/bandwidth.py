@@ -32,7 +32,7 @@ APPLE_PEAK_GBPS = {
 @dataclass
 class PeakBandwidth:
     gbps: float
-    source: str  # "flag", "env", "apple:M2 Pro", "probe", "probe (cached)"
+    source: str  # "flag", "env", "apple:M2 Pro", "probe", "probe, cached"
 
     def describe(self) -> str:
         return f"{self.gbps:.1f} GB/s ({self.source})"
@@ -99,7 +99,7 @@ def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBan
     try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
-            return PeakBandwidth(float(cached["gbps"]), "probe (cached)")
+            return PeakBandwidth(float(cached["gbps"]), "probe, cached")
     except (OSError, ValueError, KeyError):
         pass
     if not probe:

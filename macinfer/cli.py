@@ -142,7 +142,8 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     from macinfer.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM
 
-    options = {"kv_memory": kv_memory} if kv_memory else {}
+    # One request: size the KV pool for one full-context sequence, not for a server's worth.
+    options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {})}
     llm = LLM(model, dequantize=dequantize, **options)
     info = llm.info
     if verbose:
@@ -151,8 +152,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
         click.echo(f"model {info.name}: {info.model_type}, {info.num_params / 1e6:.0f}M params, "
                    f"{info.quantization}, {_fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
         click.echo(f"BLAS: {_blas.loaded or 'bundled'}", err=True)
-        if hasattr(llm, "describe"):
-            click.echo(llm.describe(), err=True)
+        click.echo(llm.engine.describe(), err=True)
     use_template = not no_chat_template and getattr(llm.tokenizer, "chat_template", None)
     if use_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -35,7 +35,7 @@ def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
     first = bandwidth.peak_bandwidth()
     second = bandwidth.peak_bandwidth()
     assert (first.gbps, first.source) == (7.5, "probe")
-    assert (second.gbps, second.source) == (7.5, "probe (cached)")
+    assert (second.gbps, second.source) == (7.5, "probe, cached")
     assert calls == [1]
     assert json.loads((tmp_path / "bandwidth.json").read_text())["gbps"] == 7.5
 

@@ -115,3 +115,26 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, args, message):
     assert len(err.splitlines()) == 1, err
     assert message in err
     assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_paris_like_mlx_lm():
+    """The embedded SmolLM2 end to end: `macinfer run` equals mlx-lm's greedy tokens and names Paris."""
+    from mlx_lm.generate import stream_generate
+
+    from macinfer.loader import load_model
+
+    r = run("What is the capital of France?", "--json", "-n", 8, "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "Paris" in got["text"]
+    # mlx-lm's own generation loop on the same weights (loaded and cast to float32 by macinfer).
+    model, tok, _ = load_model(None)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True)
+    want = []
+    for resp in stream_generate(model, tok, ids, max_tokens=8):
+        if resp.finish_reason == "stop":
+            break
+        want.append(resp.token)
+    assert got["token_ids"] == want
