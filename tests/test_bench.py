@@ -1,0 +1,69 @@
+"""`macinfer bench`: the statistics, the prompts, and the CLI in-process, over HTTP and vs mlx-lm."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from macinfer import bench
+from macinfer.cli import main
+
+
+def test_summary_percentiles_and_throughput():
+    sc = bench.Scenario(concurrency=4, prompt_tokens=10, prefix="unique", max_tokens=11)
+    # TTFT 0.1..0.4 s; each request decodes 10 tokens after the first in 1, 2, 4, 5 s.
+    reqs = [bench.RequestResult(10, 11, ttft, ttft + d) for ttft, d in ((0.1, 1), (0.2, 2), (0.3, 4), (0.4, 5))]
+    s = bench.ScenarioResult(sc, wall=5.4, requests=reqs).summary()
+    assert s["requests"] == 4 and s["output_tokens"] == 44
+    assert s["throughput_tps"] == pytest.approx(44 / 5.4)
+    assert s["ttft_p50_s"] == pytest.approx(0.25)
+    assert s["ttft_p99_s"] == pytest.approx(0.397)
+    # decode rates 10, 5, 2.5, 2 tok/s: p50 is the median, p95 the slow tail (5th percentile).
+    assert s["decode_tps_p50"] == pytest.approx(3.75)
+    assert s["decode_tps_p95"] == pytest.approx(2.075)
+    assert s["tpot_p50_ms"] == pytest.approx(300.0)
+
+
+def test_token_prompts_have_exact_lengths_and_shared_prefixes(tiny_models):
+    from oracle import mlx_lm_load
+
+    _, tok = mlx_lm_load(str(tiny_models("llama")))
+    shared = bench.make_token_prompts(bench.Scenario(3, 100, "shared", 4), 0, tok)
+    unique = bench.make_token_prompts(bench.Scenario(3, 100, "unique", 4), 0, tok)
+    assert [len(p) for p in shared + unique] == [100] * 6
+    assert shared[0][:84] == shared[1][:84] == shared[2][:84] and shared[0] != shared[1]
+    assert unique[0][:20] != unique[1][:20]
+
+
+def test_cli_in_process_with_mlx_lm_comparison_json_and_plot(tiny_models, tmp_path):
+    png = tmp_path / "bench.png"
+    r = CliRunner().invoke(main, ["bench", str(tiny_models("llama")), "-c", "1,4", "-p", "8,64", "-n", "6",
+                                  "--compare", "mlx-lm", "--json", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [(s["concurrency"], s["prompt_tokens"]) for s in out["scenarios"]] == [(1, 8), (4, 8), (1, 64), (4, 64)]
+    for s in out["scenarios"] + out["baseline"]:
+        assert s["output_tokens"] == 6 * s["requests"] and s["requests"] == s["concurrency"]
+        assert s["mean_prompt_tokens"] == s["prompt_tokens"]
+        assert s["throughput_tps"] > 0 and s["ttft_p50_s"] > 0 and s["decode_tps_p50"] > 0
+    assert [b["label"] for b in out["baseline"]] == ["mlx-lm"] * 4
+    assert len(out["ratios"]) == 4 and all(x["throughput_x"] > 0 for x in out["ratios"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_against_a_server_url(tiny_models):
+    from macinfer.llm import LLM
+    from macinfer.server import create_app, serve_in_thread
+
+    llm = LLM(str(tiny_models("llama")), num_blocks=65)
+    with serve_in_thread(create_app(llm)) as url:
+        r = CliRunner().invoke(main, ["bench", "--url", url, "-c", "2", "-p", "8", "-n", "5", "--prefix", "both"])
+    assert r.exit_code == 0, r.output
+    assert "unique" in r.stdout and "shared" in r.stdout and "tok/s" in r.stdout
+
+
+def test_cli_bad_input_is_one_line():
+    r = CliRunner().invoke(main, ["bench", "--url", "http://127.0.0.1:9", "-c", "0"])
+    assert r.exit_code != 0 and "--concurrency" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["bench", "--url", "http://127.0.0.1:9", "-c", "1", "-p", "8", "-n", "2"])
+    assert r.exit_code != 0 and "cannot reach" in r.output
