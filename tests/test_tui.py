@@ -1,0 +1,238 @@
+"""`macinfer chat`: headless pilot tests on a tiny model, and snapshots of the main and help screens.
+
+The app runs its real engine thread (tui.runner) on a tiny random model, so these
+test the whole path: prompt -> chat template -> LLMEngine -> Messages -> widgets.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from tui.app import ChatApp
+from tui.backend import ChatBackend
+from tui.screens.help import HelpScreen
+from tui.widgets import MetricsPanel
+from tui.widgets.transcript import Reply
+
+SIZE = (80, 24)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # async tests run under anyio's pytest plugin, on asyncio (Textual's loop)
+
+
+async def wait_for(pilot, condition, timeout: float = 90.0, what: str = "condition"):
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def loaded(pilot):
+    await wait_for(pilot, lambda: pilot.app.chat.model_name is not None and pilot.app.chat.loading_what is None,
+                   what="the model to load")
+
+
+async def send(pilot, text: str):
+    pilot.app.chat.query_one("#prompt").set_text(text)
+    await pilot.press("enter")
+
+
+def notices(app) -> list[str]:
+    return [str(w.render()) for w in app.chat.query(".notice")]
+
+
+def status(app) -> str:
+    return str(app.chat.query_one("#status").render())
+
+
+def number(figure: str) -> float:
+    return float(figure.split()[0].rstrip("%"))
+
+
+@pytest.fixture
+def tiny(tiny_models):
+    return str(tiny_models("llama"))
+
+
+@pytest.mark.anyio
+async def test_streamed_reply_metrics_and_history(tiny):
+    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        chat, panel = app.chat, app.chat.query_one(MetricsPanel)
+        assert panel.figures["decode"] == "-" and panel.figures["kv_blocks"].startswith("0 / ")
+
+        await send(pilot, "What is the capital of France?")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the reply")
+        reply = chat.query_one(Reply)
+        assert len(reply.chunks) >= 2, "the reply should arrive in several streamed pieces"
+        assert reply.text and app.session.turns[-1] == {"role": "assistant", "content": reply.text}
+        f = panel.figures
+        for name in ("ttft", "prefill", "decode", "bandwidth"):
+            assert number(f[name]) > 0, (name, f[name])
+        assert f["tokens"].endswith("48 out") and f["peak"] == "100.0 GB/s (flag)"
+        assert f["acceptance"] == "off"  # speculation is off by default
+        assert panel.query_one("#decode-spark").data
+
+        # Second turn: the whole history goes through the chat template.
+        await send(pilot, "And of Italy?")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the second reply")
+        history = app.session.messages()[:-1]
+        assert [m["role"] for m in history] == ["user", "assistant", "user"]
+        want = len(app.runner.backend.llm.apply_chat_template(history))
+        assert f["tokens"].startswith(f"{want} in")
+        # The second prompt starts with the first: the prefix cache serves its full blocks.
+        assert app.runner.backend.prefix_cache and int(f["prefix_hit"].split()[0]) >= 16, f["prefix_hit"]
+
+
+@pytest.mark.anyio
+async def test_escape_cancels_and_frees_every_block(tiny):
+    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        chat = app.chat
+        await send(pilot, "Tell me a long story")
+        await wait_for(pilot, lambda: chat.reply is not None and chat.reply.chunks, what="the first text")
+        backend = app.runner.backend
+        assert backend.kv_stats().used_blocks > 0
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the cancel")
+        await wait_for(pilot, lambda: not backend.has_unfinished(), what="the engine to drain")
+        kv = backend.kv_stats()
+        assert kv.used_blocks == 0 and kv.tokens_held == 0
+        assert kv.free_blocks == backend.engine.block_pool.num_usable_blocks
+        assert "(reply cancelled)" in notices(app)
+        generated = int(chat.query_one(MetricsPanel).figures["tokens"].split(",")[1].split()[0])
+        assert 0 < generated < 400
+        assert app.session.turns[-1]["role"] == "assistant"  # the partial reply stays in the history
+        # The engine still serves the next prompt.
+        app.session.max_tokens = 4
+        await send(pilot, "Hi")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the next reply")
+        assert app.session.turns[-1]["role"] == "assistant"
+
+
+@pytest.mark.anyio
+async def test_slash_commands(tiny, tmp_path):
+    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await send(pilot, "/temp 0.7")
+        assert app.session.temperature == 0.7 and "temperature 0.7" in notices(app)
+        assert "temp 0.7" in status(app)
+        await send(pilot, "/temp -1")
+        assert app.session.temperature == 0.7 and "temperature must be >= 0" in notices(app)[-1]
+        await send(pilot, "/max-tokens 5")
+        assert app.session.max_tokens == 5 and "max 5 tok" in status(app)
+        await send(pilot, "/max-tokens lots")
+        assert app.session.max_tokens == 5 and "expected a whole number" in notices(app)[-1]
+        await send(pilot, "/system Be brief.")
+        assert app.session.messages()[0] == {"role": "system", "content": "Be brief."}
+        assert "system prompt set" in status(app)
+        await send(pilot, "/prefix-cache off")
+        await wait_for(pilot, lambda: app.chat.card.prefix_cache is False, what="the engine rebuild")
+        assert notices(app)[-1] == "prefix cache off"
+        assert app.chat.query_one(MetricsPanel).figures["prefix_hit"] == "off"
+        await send(pilot, "/spec")
+        await wait_for(pilot, lambda: app.chat.card.speculation, what="speculation on")
+        assert notices(app)[-1] == "speculative decoding on (ngram drafter)"
+        await send(pilot, "/spec maybe")
+        assert "expected on or off" in notices(app)[-1]
+        await send(pilot, "/nope")
+        assert "unknown command /nope" in notices(app)[-1]
+
+        app.session.temperature = 0
+        await send(pilot, "Hello")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        out = tmp_path / "chat.md"
+        await send(pilot, f"/save {out}")
+        text = out.read_text()
+        assert "## System\n\nBe brief." in text and "## User\n\nHello" in text and "## Assistant" in text
+        assert not list(tmp_path.glob(".*tmp"))  # written atomically, no temp file left
+        await send(pilot, "/save")
+        assert "give a file name" in notices(app)[-1]
+
+        await send(pilot, "/clear")
+        assert app.session.turns == [] and app.session.system == "Be brief."
+        assert not app.chat.query(Reply) and "conversation cleared" in notices(app)[-1]
+
+        await send(pilot, "/help")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+        await send(pilot, "/model /no/such/model")
+        await wait_for(pilot, lambda: app.chat.loading_what is None, what="the failed load")
+        assert any("could not load /no/such/model" in n for n in notices(app))
+        assert app.chat.model_name is not None and "still using" in notices(app)[-1]  # old model kept
+
+
+@pytest.mark.anyio
+async def test_prompt_keys_and_load_progress(tiny, monkeypatch):
+    from tui.widgets.loading import LoadingBar
+
+    shown = []
+    real_show = LoadingBar.show
+    monkeypatch.setattr(LoadingBar, "show", lambda self, what, done=0, total=None: (
+        shown.append(what), real_show(self, what, done, total)))
+    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert "loading weights" in shown and not app.chat.query_one(LoadingBar).display
+        await pilot.press("a", "ctrl+j", "b")
+        prompt = app.chat.query_one("#prompt")
+        assert prompt.text == "a\nb"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        assert app.session.turns[0] == {"role": "user", "content": "a\nb"} and prompt.text == ""
+
+
+def test_chat_help_lists_an_example():
+    from macinfer.cli import main
+
+    r = CliRunner().invoke(main, ["chat", "--help"])
+    assert r.exit_code == 0 and "macinfer chat" in r.output and "Examples" in r.output
+    r = CliRunner().invoke(main, ["chat", "--temp", "-1"])
+    assert r.exit_code == 2 and "--temp" in r.output and "Traceback" not in r.output
+
+
+# -- snapshots -------------------------------------------------------------------------
+class SteadyBackend(ChatBackend):
+    """Peak memory is process-wide (other tests raise it): pin it so snapshots repeat."""
+
+    def peak_memory(self) -> int:
+        return 123_400_000
+
+
+@pytest.fixture
+def snapshot_app(tiny, tmp_path):
+    # A fixed directory name, so the model name in the snapshot does not depend on pytest's tmp naming.
+    model = tmp_path / "tiny-chat"
+    shutil.copytree(tiny, model)
+    return ChatApp(str(model), make_backend=lambda spec: SteadyBackend(spec, peak_bandwidth=100))
+
+
+async def steady(pilot):
+    await loaded(pilot)
+    pilot.app.chat.query_one("#prompt").cursor_blink = False  # else the cursor cell flips between runs
+    await pilot.pause()
+
+
+def test_snapshot_main_screen(snap_compare, snapshot_app):
+    assert snap_compare(snapshot_app, terminal_size=SIZE, run_before=steady)
+
+
+def test_snapshot_help_screen(snap_compare, snapshot_app):
+    async def open_help(pilot):
+        await steady(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(snapshot_app, terminal_size=SIZE, run_before=open_help)

@@ -1,0 +1,202 @@
+"""The adapter between the chat UI and macinfer's engine: the only module that calls it.
+
+Everything here runs on the engine thread (tui.runner), never on the UI thread.
+It speaks the engine's vocabulary (`add_request`, `step`, `abort_request`,
+`has_unfinished`, `kv_stats`) over `LLM(...).engine`, macinfer's paged,
+continuously-batched LLMEngine, so the runner reads like an engine loop.
+Features the engine does not have yet (prefix cache, speculation) report None,
+which the UI shows as "n/a".
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import TYPE_CHECKING, Callable
+
+from macinfer.errors import MacinferError
+from tui.messages import KVStats, ModelCard
+
+if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done on the engine thread
+    from macinfer.outputs import StreamDelta
+    from macinfer.sampling import SamplingParams
+
+Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
+
+
+def release_thread() -> None:
+    """Free the MLX streams this thread created; call last on the engine thread.
+
+    NOTE: MLX aborts the process at exit ("terminate called without an active
+    exception", exit 134) if a thread that used it did not call mx.clear_streams()
+    (ml-explore/mlx#3126, #4110).
+    """
+    if "mlx.core" in sys.modules:
+        import mlx.core as mx
+
+        mx.synchronize()
+        mx.clear_streams()
+
+
+def find_peak(override: float | None):
+    """The named peak bandwidth (macinfer.bandwidth); None if it cannot be found."""
+    from macinfer import bandwidth
+
+    try:
+        return bandwidth.peak_bandwidth(override)
+    except ImportError:  # its probe cache lives in macinfer.embedded; probe uncached
+        return bandwidth.PeakBandwidth(bandwidth.probe_gbps(), "probe")
+    except Exception:
+        return None
+
+
+class ChatBackend:
+    """One loaded model and the requests running on it.
+
+    Args:
+        spec: MODEL as `macinfer run` takes it (None: the embedded default).
+        dequantize: load quantised weights as float32 (fast on CPU hosts).
+        peak_bandwidth: GB/s override for the utilisation figure.
+        engine_options: passed to the engine (e.g. kv_memory).
+    """
+
+    def __init__(self, spec: str | None = None, *, dequantize: bool = False,
+                 peak_bandwidth: float | None = None, **engine_options):
+        self.spec = spec
+        self.dequantize = dequantize
+        self.peak_override = peak_bandwidth
+        self.engine_options = engine_options
+        self.draft_when_on = engine_options.get("draft") or "ngram"  # what /spec on drafts with
+        self.llm = None
+        self.engine = None  # macinfer.engine.LLMEngine
+        self.info = None
+        self.peak = None
+
+    # -- loading ----------------------------------------------------------------------
+    def load(self, progress: Progress) -> ModelCard:
+        """Load the model (converting a GGUF first, with progress) and find the peak bandwidth."""
+        progress("importing MLX", 0, None)
+        from macinfer.llm import LLM
+        from macinfer.loader import resolve
+
+        # Resolve first with our own progress callback, so a first-time GGUF
+        # conversion reports to the UI (the loader's default bar would draw on stderr).
+        progress("resolving model", 0, None)
+        try:
+            resolve(self.spec, progress=lambda done, total, what="": progress(
+                f"converting {what}".strip() if what else "converting model", done, total))
+        except ImportError as e:
+            raise MacinferError(f"the embedded model is not available in this install ({e.name}): "
+                                "pass a model directory or .gguf file") from None
+        progress("loading weights", 0, None)
+        self.llm = LLM(self.spec, dequantize=self.dequantize, **self.engine_options)
+        self.engine = self.llm.engine
+        self.info = self.llm.info
+        progress("finding peak memory bandwidth", 0, None)
+        self.peak = find_peak(self.peak_override)
+        return self.card()
+
+    def card(self) -> ModelCard:
+        i = self.info
+        return ModelCard(
+            name=i.name, weight_bytes=i.weight_bytes, num_params=i.num_params,
+            quantization=i.quantization, context_length=i.context_length,
+            bytes_per_decode_step=i.bytes_per_decode_step, kv_bytes_per_token=i.kv_bytes_per_token,
+            peak_gbps=self.peak.gbps if self.peak else None,
+            peak_source=self.peak.source if self.peak else None,
+            prefix_cache=self.prefix_cache, speculation=self.speculation,
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+        self.llm = self.engine = None
+        gc.collect()
+        import mlx.core as mx
+
+        mx.clear_cache()
+
+    # -- prompts ----------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation with the model's chat template applied.
+
+        A model without a template gets the turns as plain text, one per paragraph.
+        """
+        if getattr(self.llm.tokenizer, "chat_template", None):
+            return self.llm.apply_chat_template(messages)
+        return self.llm.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        """Queue a request; raises MacinferError if it cannot fit the context or the KV pool."""
+        return self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+
+    def step(self) -> list[StreamDelta]:
+        """One engine step: a delta for every request that moved (the last one has .output)."""
+        return self.engine.step()
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop the request and free its KV blocks now."""
+        self.engine.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine is not None and self.engine.has_unfinished()
+
+    # -- what the engine can tell ------------------------------------------------------
+    def peak_memory(self) -> int:
+        """MLX's peak memory (weights, KV pool, activations) in bytes."""
+        import mlx.core as mx
+
+        return mx.get_peak_memory()
+
+    def kv_stats(self) -> KVStats | None:
+        """Blocks used / free and tokens held in the KV pool right now."""
+        if self.engine is None:
+            return None
+        s = self.engine.kv_stats()
+        return KVStats(s["used_blocks"], s["free_blocks"], s["live_tokens"], s["block_size"])
+
+    @property
+    def prefix_cache(self) -> bool | None:
+        """Prefix cache on/off; None if this engine has none."""
+        return getattr(getattr(self.engine, "config", None), "enable_prefix_cache", None)
+
+    @property
+    def speculation(self) -> bool | None:
+        """Speculative decoding on/off; None if this engine cannot speculate."""
+        config = getattr(self.engine, "config", None)
+        return None if config is None or not hasattr(config, "draft") else config.draft is not None
+
+    def set_option(self, name: str, on: bool) -> str:
+        """Toggle "prefix_cache" or "speculation" by rebuilding the engine on the loaded model.
+
+        Returns:
+            What happened, one line.
+        """
+        what = {"prefix_cache": "prefix cache", "speculation": "speculative decoding"}[name]
+        if getattr(self, name) is None:
+            raise MacinferError(f"{what} is not available in this engine")
+        if self.engine.has_unfinished():
+            raise MacinferError(f"a reply is running: toggle {what} after it")
+        before = dict(self.engine_options)
+        if name == "prefix_cache":
+            self.engine_options["enable_prefix_cache"] = on
+        else:
+            self.engine_options["draft"] = self.draft_when_on if on else None
+        options = self.engine_options
+        try:
+            self._rebuild_engine(options)
+        except Exception as e:
+            self.engine_options = before
+            self._rebuild_engine(before)
+            raise MacinferError(f"could not switch {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        detail = f" ({options['draft']} drafter)" if name == "speculation" and on else ""
+        return f"{what} {'on' if on else 'off'}{detail}"
+
+    def _rebuild_engine(self, options: dict) -> None:
+        from macinfer.engine import LLMEngine
+
+        self.llm.engine = self.engine = None
+        gc.collect()  # drop the old KV pool before allocating the new one
+        self.llm.engine = self.engine = LLMEngine(self.llm.model, self.llm.tokenizer, self.info, **options)

@@ -1,0 +1,41 @@
+"""`macinfer chat`: registered on the macinfer CLI by macinfer.cli."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("chat")
+@click.argument("model", required=False)
+@click.option("--system", default="", help="System prompt (change it later with /system).")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Longest reply in tokens (/max-tokens).")
+@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature; 0 is greedy (/temp).")
+@click.option("--seed", type=click.IntRange(min=0), help="Random seed for reproducible sampling.")
+@click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
+@click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
+@click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--draft", help="Speculative decoding drafter: ngram or a draft model (toggle with /spec).")
+@click.option("--no-prefix-cache", is_flag=True, help="Start with the prefix cache off (toggle with /prefix-cache).")
+def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache):
+    """Chat with MODEL in a terminal UI that shows live speed and memory figures.
+
+    MODEL is a catalog name (default: smollm2-135m, embedded), a local model
+    directory, a .gguf file or a Hugging Face repo id. Enter sends, Ctrl+J adds
+    a line, Esc cancels a reply, F1 lists keys and /commands, Ctrl+Q quits.
+
+    \b
+    Examples:
+      macinfer chat
+      macinfer chat ./my-mlx-model --system "Answer briefly." --temp 0.7
+    """
+    from tui.app import ChatApp  # light: MLX and the model load on the engine thread, behind a progress bar
+
+    options = {"kv_memory": kv_memory} if kv_memory else {}
+    if draft:
+        options["draft"] = draft
+    if no_prefix_cache:
+        options["enable_prefix_cache"] = False
+    ChatApp(model, dequantize=dequantize, peak_bandwidth=peak_bandwidth, system=system, temperature=temp,
+            max_tokens=max_tokens, seed=seed, engine_options=options).run()

@@ -1,0 +1,127 @@
+"""What the engine thread tells the UI: Message dataclasses, nothing else.
+
+The engine thread (tui.runner) posts these to the chat screen; the UI never
+calls the engine. Bursty ones (load progress, live stats) define `can_replace`
+so Textual drops a stale one when a newer one is already queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from textual.message import Message
+
+from macinfer.outputs import RequestOutput
+
+
+@dataclass
+class KVStats:
+    """The engine's KV cache right now (None fields where the engine cannot say)."""
+
+    used_blocks: int
+    free_blocks: int
+    tokens_held: int
+    block_size: int
+
+
+@dataclass
+class ModelCard:
+    """The loaded model, as the metrics panel shows it."""
+
+    name: str
+    weight_bytes: int
+    num_params: int
+    quantization: str
+    context_length: int
+    bytes_per_decode_step: int
+    kv_bytes_per_token: int
+    peak_gbps: float | None
+    peak_source: str | None
+    prefix_cache: bool | None  # None: this engine has no prefix cache
+    speculation: bool | None  # None: this engine cannot speculate
+
+
+@dataclass
+class Stats:
+    """Figures of the reply in progress (or the last one), all measured, None if unknown."""
+
+    ttft: float | None = None
+    prefill_tps: float | None = None
+    decode_tps: float | None = None
+    step_tps: tuple[float, ...] = ()  # recent per-step decode rates, oldest first
+    bandwidth: float | None = None  # fraction of peak
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int | None = None  # None: no prefix cache in this engine
+    acceptance: float | None = None  # None: speculation off or unavailable
+    kv: KVStats | None = None
+    peak_memory: int | None = None
+
+
+@dataclass(eq=False)
+class LoadProgress(Message):
+    """Model loading / first-time conversion: done of total (total None: indeterminate)."""
+
+    what: str
+    done: int = 0
+    total: int | None = None
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, LoadProgress)
+
+
+@dataclass(eq=False)
+class ModelLoaded(Message):
+    card: ModelCard
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass(eq=False)
+class LoadFailed(Message):
+    spec: str | None
+    error: str
+    current: str | None = None  # the model still loaded, if any
+
+
+@dataclass(eq=False)
+class ReplyText(Message):
+    """New text of the reply in progress."""
+
+    request_id: str
+    text: str
+
+
+@dataclass(eq=False)
+class StatsUpdate(Message):
+    """Live figures while a reply streams; a newer one supersedes a queued one."""
+
+    stats: Stats
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, StatsUpdate)
+
+
+@dataclass(eq=False)
+class ReplyFinished(Message):
+    """The reply ended: finish_reason is "stop", "length" or "abort"."""
+
+    request_id: str
+    finish_reason: str
+    stats: Stats
+    output: RequestOutput | None = None
+
+
+@dataclass(eq=False)
+class ReplyFailed(Message):
+    """The request could not run (e.g. the conversation outgrew the context)."""
+
+    request_id: str | None
+    error: str
+
+
+@dataclass(eq=False)
+class EngineNotice(Message):
+    """A one-line answer from the engine thread to a command (e.g. a toggle)."""
+
+    text: str
+    error: bool = False

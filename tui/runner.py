@@ -1,0 +1,259 @@
+"""The engine thread: owns the backend, takes commands from a queue, posts Messages.
+
+    UI thread ──submit(Load | Generate | Abort | SetOption)──> queue
+                                                                 │
+    engine thread:  loop { drain commands; if requests run: backend.step() }
+                                                                 │
+    chat screen <──post(LoadProgress, ReplyText, StatsUpdate, ReplyFinished, ...)
+
+NOTE: only this thread touches the backend (and so MLX); `submit` only enqueues.
+Text and stats are posted at most every TEXT_INTERVAL / STATS_INTERVAL seconds so
+a fast model does not flood the UI (StatsUpdate also coalesces in the queue).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from textual.message import Message
+
+from macinfer.errors import MacinferError
+from macinfer.outputs import RequestOutput
+from tui.backend import release_thread
+
+if TYPE_CHECKING:
+    from macinfer.sampling import SamplingParams
+    from tui.backend import ChatBackend
+from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
+                          ReplyFinished, ReplyText, Stats, StatsUpdate)
+
+TEXT_INTERVAL = 1 / 10
+STATS_INTERVAL = 1 / 4
+SPARK_STEPS = 60
+
+
+# -- commands (UI -> engine thread) ------------------------------------------------------
+@dataclass
+class Load:
+    spec: str | None
+
+
+@dataclass
+class Generate:
+    request_id: str
+    messages: list[dict]
+    params: SamplingParams
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class SetOption:
+    name: str  # "prefix_cache" | "speculation"
+    on: bool
+
+
+@dataclass
+class _Live:
+    """Clock and counters of the request in flight."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    step_tps: deque = field(default_factory=lambda: deque(maxlen=SPARK_STEPS))
+    text: list[str] = field(default_factory=list)
+    text_posted: float = 0.0
+    stats_posted: float = 0.0
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+class EngineRunner:
+    """Runs the backend on the calling thread until `cancelled()` is true.
+
+    Args:
+        make_backend: builds an unloaded ChatBackend for a MODEL spec.
+        post: delivers a Message to the UI (thread-safe: Widget.post_message).
+    """
+
+    def __init__(self, make_backend: Callable[[str | None], ChatBackend], post: Callable[[Message], object]):
+        self.make_backend = make_backend
+        self.post = post
+        self.backend: ChatBackend | None = None
+        self.commands: queue.Queue = queue.Queue()
+        self.live: dict[str, _Live] = {}
+        self.last_stats = Stats()
+
+    def submit(self, command) -> None:
+        """Called from the UI thread: queue a command for the engine thread."""
+        self.commands.put(command)
+
+    def run(self, cancelled: Callable[[], bool]) -> None:
+        try:
+            while not cancelled():
+                busy = self.backend is not None and self.backend.has_unfinished()
+                try:
+                    command = self.commands.get(block=not busy, timeout=0.1) if not busy else self.commands.get_nowait()
+                except queue.Empty:
+                    command = None
+                if command is not None:
+                    self._handle(command)
+                elif busy:
+                    self._step()
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+                self.backend = None
+            release_thread()
+
+    # -- commands -------------------------------------------------------------------
+    def _handle(self, command) -> None:
+        if isinstance(command, Load):
+            self._load(command.spec)
+        elif isinstance(command, Generate):
+            self._generate(command)
+        elif isinstance(command, Abort):
+            self._abort(command.request_id)
+        elif isinstance(command, SetOption):
+            self._set_option(command)
+
+    def _load(self, spec: str | None) -> None:
+        """Load `spec`; the previous model stays loaded if this one fails."""
+        for rid in list(self.live):
+            self._abort(rid)
+        old = self.backend
+        current = old.info.name if old is not None and old.info is not None else None
+        backend = self.make_backend(spec)
+        try:
+            card = backend.load(lambda what, done, total: self.post(LoadProgress(what, done, total)))
+        except (MacinferError, ValueError) as e:
+            self.post(LoadFailed(spec, _one_line(e), current))
+            return
+        except Exception as e:  # a half-written model dir raises anything; keep the UI alive
+            self.post(LoadFailed(spec, f"{type(e).__name__}: {_one_line(e)}", current))
+            return
+        if old is not None:
+            old.close()
+        self.backend = backend
+        self.last_stats = Stats(cached_tokens=None, kv=backend.kv_stats(), peak_memory=backend.peak_memory())
+        self.post(ModelLoaded(card, self.last_stats))
+
+    def _generate(self, cmd: Generate) -> None:
+        if self.backend is None:
+            self.post(ReplyFailed(cmd.request_id, "no model is loaded"))
+            return
+        try:
+            ids = self.backend.encode(cmd.messages)
+            self.backend.add_request(ids, cmd.params, request_id=cmd.request_id)
+        except (MacinferError, ValueError) as e:
+            self.post(ReplyFailed(cmd.request_id, _one_line(e)))
+            return
+        live = self.live[cmd.request_id] = _Live(cmd.request_id, len(ids), time.perf_counter())
+        self.post(StatsUpdate(self._stats(live, live.arrival)))  # prompt size, before a slow prefill
+
+    def _abort(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if self.backend is not None:
+            self.backend.abort_request(request_id)
+        if live is not None:
+            self._flush_text(live)
+            stats = self._stats(live, time.perf_counter())
+            self.last_stats = stats
+            self.post(ReplyFinished(request_id, "abort", stats))
+
+    def _set_option(self, cmd: SetOption) -> None:
+        if self.backend is None:
+            self.post(EngineNotice("no model is loaded", error=True))
+            return
+        try:
+            self.post(EngineNotice(self.backend.set_option(cmd.name, cmd.on)))
+            self.post(ModelLoaded(self.backend.card(), self.last_stats))
+        except (MacinferError, ValueError) as e:
+            self.post(EngineNotice(_one_line(e), error=True))
+
+    # -- stepping -------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            deltas = self.backend.step()
+        except Exception as e:  # a failing step must end the reply, not hang the UI
+            for rid in list(self.live):
+                self.live.pop(rid)
+                self.backend.abort_request(rid)
+                self.post(ReplyFailed(rid, f"{type(e).__name__}: {_one_line(e)}"))
+            traceback.print_exc()
+            return
+        now = time.perf_counter()
+        for delta in deltas:
+            rid = delta.request_id
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            if delta.token_ids:
+                if live.first_token is None:
+                    live.first_token = now
+                elif live.last_token is not None and now > live.last_token:
+                    live.step_tps.append(len(delta.token_ids) / (now - live.last_token))
+                live.last_token = now
+                live.tokens += len(delta.token_ids)
+            if delta.text:
+                live.text.append(delta.text)
+            if delta.finish_reason is not None:
+                del self.live[rid]
+                self._flush_text(live)
+                stats = self._stats(live, now, delta.output)
+                self.last_stats = stats
+                self.post(ReplyFinished(rid, delta.finish_reason, stats, delta.output))
+                continue
+            if now - live.text_posted >= TEXT_INTERVAL:
+                self._flush_text(live, now)
+            if now - live.stats_posted >= STATS_INTERVAL:
+                live.stats_posted = now
+                self.post(StatsUpdate(self._stats(live, now)))
+
+    def _flush_text(self, live: _Live, now: float | None = None) -> None:
+        if live.text:
+            self.post(ReplyText(live.request_id, "".join(live.text)))
+            live.text.clear()
+        live.text_posted = now or time.perf_counter()
+
+    def _stats(self, live: _Live, now: float, output: RequestOutput | None = None) -> Stats:
+        """Figures for the metrics panel; a finished output's own metrics win (same as `macinfer run`)."""
+        b = self.backend
+        ttft = (live.first_token - live.arrival) if live.first_token else None
+        prefill = live.prompt_tokens / ttft if ttft else None
+        decode = None
+        if live.first_token and live.last_token and live.tokens > 1 and live.last_token > live.first_token:
+            decode = (live.tokens - 1) / (live.last_token - live.first_token)
+        cached = acceptance = None  # known when the request finishes
+        prompt, generated, kv_tokens = live.prompt_tokens, live.tokens, live.prompt_tokens + live.tokens / 2
+        if output is not None:
+            m = output.metrics
+            ttft, prefill, decode = m.ttft, m.prefill_tps, m.decode_tps
+            prompt, generated, kv_tokens = m.prompt_tokens, m.generation_tokens, m.mean_kv_tokens
+            cached = m.cached_tokens if b.prefix_cache else None
+            acceptance = m.acceptance_rate if b.speculation else None
+        bandwidth = None
+        if decode and b.peak:
+            from macinfer.bandwidth import utilisation
+
+            per_step = b.info.bytes_per_decode_step + kv_tokens * b.info.kv_bytes_per_token
+            bandwidth = utilisation(per_step, decode, b.peak)
+        return Stats(
+            ttft=ttft, prefill_tps=prefill, decode_tps=decode, step_tps=tuple(live.step_tps),
+            bandwidth=bandwidth, prompt_tokens=prompt, generated_tokens=generated,
+            cached_tokens=cached, acceptance=acceptance, kv=b.kv_stats(), peak_memory=b.peak_memory(),
+        )
