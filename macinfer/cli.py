@@ -72,6 +72,7 @@ def run_stats(out, info, peak) -> dict:
         "draft_tokens": m.draft_tokens,
         "accepted_tokens": m.accepted_tokens,
         "acceptance_rate": m.acceptance_rate,
+        "accepted_per_step": m.accepted_per_step,
         "finish_reason": out.finish_reason,
     }
 
@@ -94,7 +95,7 @@ def stats_line(s: dict) -> str:
             f"({s['peak_bandwidth_source']})"
         )
     if s["draft_tokens"]:
-        parts.append(f"draft acceptance {100 * s['acceptance_rate']:.0f}%")
+        parts.append(f"draft acceptance {100 * s['acceptance_rate']:.0f}% ({s['accepted_per_step']:.2f} accepted/step)")
     return " | ".join(parts)
 
 
@@ -112,9 +113,13 @@ def stats_line(s: dict) -> str:
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Recompute the whole prompt: no reuse of a prefix cached in memory or on disk.")
+@click.option("--draft", metavar="MODEL|ngram", help="Speculative decoding with a draft model or n-gram lookup.")
+@click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, dequantize, verbose):
+            peak_bandwidth, kv_memory, dequantize, no_prefix_cache, draft, no_draft, verbose):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -122,11 +127,23 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     one argument it is the prompt and the embedded model answers. PROMPT "-"
     reads the prompt from stdin. A stats line goes to stderr at the end.
 
+    The K/V of the prompt's full blocks is kept on disk (the prefix cache's
+    persistent tier, under ~/.cache/macinfer/prefix), so a later run sharing a
+    long system prompt skips that part of the prefill ("N cached" in the stats).
+
+    Speculative decoding (exact: greedy output is unchanged, sampling keeps the
+    model's distribution; k adapts to measured acceptance and costs): --draft
+    ngram drafts from the prompt itself (editing, quoting), --draft MODEL uses a
+    small model with the same tokenizer. By default a greedy run uses the draft
+    shipped for the model, if there is one; a sampled run drafts only when asked
+    (with drafts, a --seed run is not reproducible: k depends on timing).
+
     \b
     Examples:
       macinfer run "What is the capital of France?"
       macinfer run ./SmolLM2-135M-Instruct.Q4_1.gguf "Tell me a joke" --temp 0.7 --seed 1
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
+      macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
     """
     from macinfer.sampling import SamplingParams
 
@@ -143,7 +160,11 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     from macinfer.llm import LLM
 
     # One request: size the KV pool for one full-context sequence, not for a server's worth.
-    options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {})}
+    options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {}),
+               "enable_prefix_cache": not no_prefix_cache, "persist_prefix_cache": not no_prefix_cache}
+    if draft and no_draft:
+        raise MacinferError("--draft and --no-draft contradict each other: pick one")
+    options["draft"] = None if no_draft else draft or ("auto" if temp == 0 else None)
     llm = LLM(model, dequantize=dequantize, **options)
     info = llm.info
     if verbose:

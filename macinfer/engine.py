@@ -31,9 +31,11 @@ from macinfer.errors import MacinferError
 from macinfer.model_runner import ModelRunner
 from macinfer.outputs import RequestOutput, StreamDelta
 from macinfer.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.prefix_cache import prefix_cache_stats, setup_prefix_cache
 from macinfer.sampling import SamplingParams
 from macinfer.scheduler import Scheduler, SchedulerConfig
 from macinfer.sequence import Sequence, SequenceStatus
+from macinfer.spec_decode import make_spec_decoder
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
@@ -78,6 +80,19 @@ class EngineConfig:
         max_num_batched_tokens: tokens per step (prefill chunk size + decodes).
         max_model_len: longest sequence; None for the model's context length.
         verbose: print the KV budget and capacity at start-up.
+        enable_prefix_cache: reuse the K/V of full blocks shared with earlier
+            prompts (macinfer.prefix_cache); outputs are the same either way.
+        persist_prefix_cache: also keep cached blocks on disk for later processes.
+        prefix_cache_dir: root of the persistent tier (default $MACINFER_PREFIX_CACHE_DIR
+            or cache_dir()/prefix); each model gets a subdirectory named by its identity.
+        prefix_cache_disk_bytes: size limit of the persistent tier (all models together).
+        draft: speculative decoding (macinfer.spec_decode): "ngram" (prompt lookup), a
+            draft model (shipped draft name, path, catalog name, repo id, or a loaded
+            mlx-lm model sharing the tokenizer), "auto" (the draft shipped for this
+            model, if any), or None for none.
+        num_speculative_tokens: the most tokens drafted per sequence per step.
+        adaptive_speculation: pick k each step from measured acceptance and costs
+            (False: always draft num_speculative_tokens).
     """
 
     kv_memory: int | str | None = None
@@ -87,6 +102,13 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     verbose: bool = False
+    enable_prefix_cache: bool = True
+    persist_prefix_cache: bool = False
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int | str = "2GB"
+    draft: object = None
+    num_speculative_tokens: int = 5
+    adaptive_speculation: bool = True
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -154,6 +176,9 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, bs)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model))
+        self.model_id = setup_prefix_cache(self, config)  # None when the prefix cache is off
+        self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
+                                      self.block_pool)  # None: no draft
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
@@ -194,6 +219,7 @@ class LLMEngine:
             "usage": pool.usage,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            **prefix_cache_stats(self.block_pool),
         }
 
     # -- requests -----------------------------------------------------------------------
@@ -255,6 +281,9 @@ class LLMEngine:
             finished ones carry `output`, the whole RequestOutput).
         """
         deltas, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts for the decode rows
         out = self.scheduler.schedule()
         for seq in out.finished:  # could not fit in the KV cache any more
             deltas.append(self._finish(seq))
@@ -267,10 +296,14 @@ class LLMEngine:
         tokens = self.runner.execute_model(out.scheduled)
         self.scheduler.update_from_output(out)
         for s, tok in zip(out.scheduled, tokens):
-            if tok is not None:
+            for tok in [] if tok is None else tok if isinstance(tok, list) else [tok]:  # a list: verified drafts
+                if s.seq.is_finished:
+                    break
                 delta = self._process_token(s.seq, tok)
                 if delta is not None:
                     deltas.append(delta)
+        if self.spec is not None:  # accepted drafts count as computed now; acceptance, costs
+            self.spec.update_from_output(out.scheduled, tokens, time.perf_counter() - t0)
         return deltas
 
     def _process_token(self, seq: Sequence, tok: int) -> StreamDelta | None:
@@ -335,5 +368,6 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
         )
+        self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
         self.requests.pop(seq.request_id, None)
         return delta

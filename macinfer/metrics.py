@@ -26,6 +26,7 @@ class RequestMetrics:
     # Speculative decoding: tokens proposed by the drafter and accepted by the target.
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    spec_steps: int = 0  # decode steps that verified drafts
     # Mean context length (tokens in the KV cache) over decode steps: for bandwidth.
     kv_tokens_sum: int = 0
     decode_steps: int = 0
@@ -63,6 +64,10 @@ class RequestMetrics:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
+    def accepted_per_step(self) -> float | None:
+        return self.accepted_tokens / self.spec_steps if self.spec_steps else None
+
+    @property
     def mean_kv_tokens(self) -> float:
         return self.kv_tokens_sum / self.decode_steps if self.decode_steps else float(self.prompt_tokens)
 
@@ -73,5 +78,6 @@ class RequestMetrics:
             prefill_tps=self.prefill_tps,
             decode_tps=self.decode_tps,
             acceptance_rate=self.acceptance_rate,
+            accepted_per_step=self.accepted_per_step,
         )
         return d

@@ -53,8 +53,10 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def _forward(self, rows: list[ScheduledSequence]) -> mx.array:
+    def _forward(self, rows: list[ScheduledSequence], all_logits: bool = False) -> mx.array:
         """One forward over rows padded to the longest -> each row's last real logits (B, V).
+
+        With all_logits, the logits of every position instead: (B, L, V).
 
         Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
         the null block, its queries see only garbage that nobody reads.
@@ -64,7 +66,10 @@ class ModelRunner:
         tokens, blocks, slots, last, starts = [], [], [], [], []
         for r in rows:
             seq, start, n = r.seq, r.seq.num_computed_tokens, r.num_new_tokens
-            tokens.append(seq.token_ids[start: start + n] + [0] * (L - n))
+            ids = seq.token_ids[start: start + n]
+            if len(ids) < n:  # drafted tokens follow the last real one (macinfer.spec_decode)
+                ids = ids + seq.spec_token_ids[: n - len(ids)]
+            tokens.append(ids + [0] * (L - n))
             table = seq.block_table
             for p in range(start, start + n):
                 blocks.append(table[p // bs])
@@ -81,17 +86,23 @@ class ModelRunner:
         c.slot_offsets = mx.array(slots, dtype=mx.int32)
         c.memo = {}
         logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self.caches)  # (B, L, V)
+        if all_logits:
+            return logits
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
         return logits[mx.arange(len(rows)), mx.array(last)]
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
-        """Rows per forward: all 1-token rows together; chunks batched while padding stays small."""
+        """Rows per forward: all 1-token rows together; chunks batched while padding stays small.
+
+        A decode row with drafts (1 token + k drafts) joins the 1-token rows: the forward is
+        padded to 1 + max k, which costs far less than a second forward (spec_decode's model).
+        """
         if not self.batch_decode:
             return [[i] for i in range(len(scheduled))]
-        ones = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        ones = [i for i, s in enumerate(scheduled) if s.num_new_tokens - s.num_spec_tokens == 1]
         groups = [ones] if ones else []
-        chunks = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens > 1),
+        chunks = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens - s.num_spec_tokens > 1),
                         key=lambda i: -scheduled[i].num_new_tokens)
         group, real = [], 0
         for i in chunks:  # longest first, so a group's first row sets its padded length
@@ -105,11 +116,22 @@ class ModelRunner:
             groups.append(group)
         return groups
 
-    def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | None]:
-        """Compute this step's tokens; return the sampled token per row (None: mid-prefill)."""
+    def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
+        """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
+
+        A forward holding drafted tokens is verified as a whole (spec_decode.verify_rows):
+        each of its sampling rows gets a list, the accepted drafts then the target's token.
+        """
         pending: list[tuple[list[int], mx.array]] = []  # (row indices, sampled ids)
+        verified: list[tuple[int, mx.array]] = []  # (row index, [num_accepted, tokens...])
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
+            if any(r.num_spec_tokens for r in rows):
+                from macinfer.spec_decode import verify_rows
+
+                verified += verify_rows(group, rows, self._forward(rows, all_logits=True))
+                mx.eval([v for _, v in verified] + [c.state for c in self.caches])  # see the NOTE below
+                continue
             logits = self._forward(rows)  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
             if greedy:
@@ -128,4 +150,7 @@ class ModelRunner:
         for idx, ids in pending:
             for i, t in zip(idx, ids.tolist()):
                 out[i] = t
+        for i, v in verified:
+            row = v.tolist()
+            out[i] = row[1: 2 + row[0]]
         return out

@@ -11,7 +11,8 @@ catching up with `num_tokens`, and each step hands out at most
      sequence is preempted (its blocks freed, recomputed later) until it fits.
   3. Then waiting sequences, first come first served, while blocks and budget
      allow (and only if nothing was preempted this step: no point admitting new
-     work while evicting old).
+     work while evicting old). An admitted sequence starts from its longest
+     cached prefix (prefix caching: num_computed_tokens jumps over the hits).
 
 A sequence whose KV could not fit even in an empty pool finishes with
 "length" instead of cycling through preemption forever.
@@ -52,11 +53,12 @@ class SchedulerConfig:
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    num_spec_tokens: int = 0  # of num_new_tokens, drafted tokens to verify (macinfer.spec_decode)
 
     @property
     def samples(self) -> bool:
         """After this step the whole sequence is computed, so it yields a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -120,6 +122,10 @@ class Scheduler:
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 out.finished.append(seq)
                 continue
+            # Drafts ride along with a decode if budget and blocks allow; they never preempt anyone.
+            num_spec = min(len(seq.spec_token_ids), budget - n) if n == seq.num_uncomputed_tokens else 0
+            if num_spec and not pool.allocate_slots(seq, n + num_spec):
+                num_spec = 0
             while not pool.allocate_slots(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,20 +139,26 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                out.scheduled.append(ScheduledSequence(seq, n))
-                budget -= n
+                del seq.spec_token_ids[num_spec:]
+                out.scheduled.append(ScheduledSequence(seq, n + num_spec, num_spec))
+                budget -= n + num_spec
 
         # 2. Waiting, FCFS: stop at the first that does not fit (no overtaking).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
             if self._never_fits(seq, seq.num_uncomputed_tokens):
                 self.waiting.popleft()
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 out.finished.append(seq)
                 continue
-            if not pool.allocate_slots(seq, n):
+            # Prefix cache: start from the longest cached prefix ([] and 0 when off).
+            cached, num_cached = pool.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_cached, budget)
+            if not pool.allocate_slots(seq, n, cached):
                 break
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.metrics.cached_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -155,9 +167,15 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens' K/V are now in the cache."""
+        """The step ran: its tokens' K/V are now in the cache.
+
+        NOTE: drafted tokens are not counted: their K/V is in the cache too, but only
+        those the target accepted become tokens (SpecDecoder.update_from_output counts
+        them once the engine has appended them; the rejected ones are overwritten).
+        """
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
+            self.block_pool.cache_full_blocks(s.seq)  # full, computed blocks become reusable
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End seq (stop, length or abort) and free its blocks at once."""

@@ -65,6 +65,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Speculative decoding (macinfer.spec_decode): drafted tokens to verify this step, and
+        # the (k, V) draft distributions they were drawn from (None: a deterministic drafter).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
         self.status = SequenceStatus.WAITING
         self.params = params
         self.sampler = Sampler(params)
@@ -122,6 +126,7 @@ class Sequence:
         """Preemption: the KV is gone, so everything is to be computed again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.spec_token_ids, self.spec_probs = [], None
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

@@ -9,6 +9,15 @@ import macinfer  # noqa: E402,F401  (loads OpenBLAS before mlx)
 from tiny import build_tiny_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prefix_cache_dir(tmp_path_factory):
+    """Keep the prefix cache's persistent tier (on in `macinfer run`) out of ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MACINFER_PREFIX_CACHE_DIR", str(tmp_path_factory.mktemp("prefix-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Build-once cache of tiny models: tiny_models('qwen2') -> Path."""

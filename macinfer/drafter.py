@@ -1,0 +1,214 @@
+"""Drafters: cheap guesses of a sequence's next tokens, for the target to verify.
+
+One small interface (`Drafter`), two kinds:
+
+- `NgramDrafter` (prompt lookup): find the latest earlier occurrence of the
+  sequence's last n tokens (n = 4 down to 2) and propose what followed it. No
+  model, no state; deterministic, so its draft distribution q is one-hot.
+- `DraftModelDrafter`: a small model sharing the target's tokenizer, run k
+  times per step over its own paged KV cache (its own BlockPool and
+  ModelRunner, the same machinery as the target's). It samples each draft
+  from its own distribution q with the request's sampling parameters and key,
+  and hands q to the verifier (macinfer.rejection).
+
+A drafter writes its proposal into `seq.spec_token_ids` (and `seq.spec_probs`,
+the (k, V) q rows, or None for a deterministic drafter); the scheduler then
+treats those tokens as more tokens to compute (vLLM v1's scheme).
+
+The draft model's view of a request is a `_DraftSeq`: the tokens fed to the
+draft so far and how many of them have K/V in the draft's pool. After the target
+verified, the draft's tokens past the common prefix with the target's are
+stale; `_sync` cuts them off (rollback) and frees the draft blocks past that point:
+
+    target tokens   [ ... t  d0  d1  x ]        d0, d1 accepted, x emitted by the target
+    draft fed       [ ... t  d0  d1  d2 ]       d2 drafted (and fed), then rejected
+    common prefix   [ ... t  d0  d1 ]           -> draft num_computed_tokens cut to here
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.block_pool import BlockPool
+from macinfer.sequence import Sequence
+
+
+class Drafter(Protocol):
+    """What the speculative decoder needs from a drafter."""
+
+    name: str
+    has_model: bool  # True: each drafted token costs a draft forward (a round)
+
+    def available(self, seq: Sequence, k: int) -> int:
+        """How many tokens (<= k) the drafter can propose for seq right now."""
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        """Set seq.spec_token_ids (at most num_draft[i] tokens) and seq.spec_probs for each seq."""
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request (finished or preempted): free whatever it holds."""
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting from the sequence's own tokens.
+
+    Args:
+        max_n, min_n: n-gram sizes tried, longest first.
+
+    Example:
+        >>> NgramDrafter().lookup([1, 2, 3, 4, 9, 1, 2, 3], 3)
+        [4, 9, 1]
+    """
+
+    name = "ngram"
+    has_model = False
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._cache: dict[str, tuple[int, list[int]]] = {}  # request_id -> (num_tokens, lookup)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens (or fewer) that followed the latest earlier match of the last n tokens."""
+        if k <= 0 or len(tokens) <= self.min_n:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            # Windows starting at 0 .. len-1-n: each has at least one token after it,
+            # and the suffix itself (starting at len-n) is excluded.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start: start + k].tolist()
+        return []
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        cached = self._cache.get(seq.request_id)
+        if cached is None or cached[0] != seq.num_tokens or len(cached[1]) < k:
+            cached = (seq.num_tokens, self.lookup(seq.token_ids, k))
+            self._cache[seq.request_id] = cached
+        return cached[1][:k]
+
+    def available(self, seq: Sequence, k: int) -> int:
+        return len(self._lookup(seq, k))
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        for seq, k in zip(seqs, num_draft):
+            seq.spec_token_ids = self._lookup(seq, k) if k > 0 else []
+            seq.spec_probs = None  # deterministic: q is one-hot
+
+    def remove(self, request_id: str) -> None:
+        self._cache.pop(request_id, None)
+
+
+class _DraftSeq:
+    """The draft model's view of one request (duck-types Sequence for BlockPool and ModelRunner)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.token_ids: list[int] = []  # tokens fed (or to feed) to the draft
+        self.num_computed_tokens = 0  # of those, how many have K/V in the draft pool
+        self.num_valid = 0  # leading token_ids known to equal the target's
+        self.block_table: list[int] = []
+
+
+class DraftModelDrafter:
+    """Draft tokens with a small model over its own paged KV cache.
+
+    Args:
+        model: the draft, an mlx-lm model sharing the target's tokenizer
+            (macinfer.draft_model.load_draft checks that).
+        num_blocks, block_size: the draft's own block pool.
+        name: for messages and stats.
+    """
+
+    has_model = True
+
+    def __init__(self, model, num_blocks: int, block_size: int, name: str = "draft"):
+        from macinfer.model_runner import ModelRunner
+        from macinfer.paged_cache import inspect_model, supports_batched_offsets
+
+        self.name = name
+        self.model = model
+        self.pool = BlockPool(num_blocks, block_size)
+        self.runner = ModelRunner(model, inspect_model(model, name), num_blocks, block_size,
+                                  batch_decode=supports_batched_offsets(model))
+        self.states: dict[str, _DraftSeq] = {}
+        # Seconds per draft round of 1-token rows (EMA; None until measured). Rounds that
+        # catch up on many tokens (a new prompt) are not counted: they are not the steady cost.
+        self.round_s: float | None = None
+
+    def available(self, seq: Sequence, k: int) -> int:
+        return k
+
+    def _sync(self, seq: Sequence) -> _DraftSeq:
+        """Bring the draft's tokens in line with the target's; roll back what diverged."""
+        st = self.states.get(seq.request_id)
+        if st is None:
+            st = self.states[seq.request_id] = _DraftSeq(seq.request_id)
+        # The target only ever appends, so the first num_valid tokens still agree.
+        v, end = st.num_valid, min(len(st.token_ids), seq.num_tokens)
+        while v < end and st.token_ids[v] == seq.token_ids[v]:
+            v += 1
+        del st.token_ids[v:]
+        st.token_ids.extend(seq.token_ids[v:])
+        st.num_valid = len(st.token_ids)
+        # At least the last token is fed again: its logits give the first draft.
+        st.num_computed_tokens = min(st.num_computed_tokens, v, len(st.token_ids) - 1)
+        self.pool.trim(st, st.num_computed_tokens)
+        return st
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        from macinfer.scheduler import ScheduledSequence
+
+        rows = []  # (seq, draft view, k)
+        for seq, k in zip(seqs, num_draft):
+            seq.spec_token_ids, seq.spec_probs = [], None
+            if k <= 0:
+                continue
+            st = self._sync(seq)
+            # k rounds: the first feeds everything not yet computed, each later one the
+            # previous draft; the last draft is never fed (it may be rejected).
+            if not self.pool.allocate_slots(st, st.num_valid - st.num_computed_tokens + k - 1):
+                continue  # the draft pool is full: no drafts for this one this step
+            rows.append((seq, st, k))
+        probs: dict[str, list[mx.array]] = {}
+        for r in range(max((k for _, _, k in rows), default=0)):
+            active = [(seq, st) for seq, st, k in rows if k > r]
+            groups = [active] if self.runner.batch_decode else [[a] for a in active]
+            t0 = time.perf_counter()
+            steady = all(len(st.token_ids) - st.num_computed_tokens <= 2 for _, st in active)
+            for group in groups:
+                sched = [ScheduledSequence(st, len(st.token_ids) - st.num_computed_tokens) for _, st in group]
+                logits = self.runner._forward(sched)  # (B, V): each row's next-token logits
+                picks = []
+                for j, (seq, _) in enumerate(group):
+                    if seq.sampler.params.greedy:
+                        picks.append(mx.argmax(logits[j], axis=-1))
+                    else:
+                        q = seq.sampler.probs(logits[j])  # (V,) what the draft samples from
+                        probs.setdefault(seq.request_id, []).append(q)
+                        picks.append(mx.random.categorical(mx.log(q), key=seq.sampler.next_key()))
+                picks = mx.stack(picks)
+                mx.eval(picks, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
+                for s, (seq, st), tok in zip(sched, group, picks.tolist()):
+                    st.num_computed_tokens += s.num_new_tokens
+                    st.token_ids.append(tok)
+                    seq.spec_token_ids.append(tok)
+            if steady:
+                dt = time.perf_counter() - t0
+                self.round_s = dt if self.round_s is None else 0.7 * self.round_s + 0.3 * dt
+        for seq, _, _ in rows:
+            if seq.request_id in probs:
+                seq.spec_probs = mx.stack(probs[seq.request_id])  # (k, V)
+
+    def remove(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            self.pool.free(st)

@@ -1,0 +1,316 @@
+"""Speculative decoding inside continuous batching: choosing k, verifying, accounting.
+
+One step, as the engine runs it with a drafter:
+
+  1. `SpecDecoder.propose(running)`: for every decode row (1 token left), pick how
+     many tokens to draft and let the drafter write them into `seq.spec_token_ids`.
+  2. The scheduler schedules 1 + k tokens for such a row (vLLM v1: drafts are just
+     more tokens to compute); drafts are dropped rather than preempt anyone.
+  3. ModelRunner runs ONE forward over every decode row, padded to 1 + max k, and
+     hands the logits of the drafted positions to `verify_rows` (exact rejection
+     sampling, macinfer.rejection).
+  4. `Scheduler.update_from_output` rolls num_computed_tokens back past the
+     rejected drafts and frees the blocks that held only them; the engine appends
+     the accepted tokens and the target's own next token; `SpecDecoder.record`
+     updates acceptance, costs and the request metrics.
+
+Choosing k (adaptive). Decode rows share one forward padded to L = 1 + K, so the
+choice is K per step, from the requests' tracked acceptance and measured costs:
+
+    expected tokens of row i   E_i(K) = (1 - a_i^(k_i + 1)) / (1 - a_i),  k_i = min(K, offer_i)
+    step time                  T(K)   = A + b * B * (1 + K) + D * K
+    K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
+
+a_i is request i's acceptance rate (decayed counts, with the drafter's pooled
+rate as prior); A + b * tokens is the measured cost of a decode step (a linear
+fit over recent decode-only steps, forgetting old ones), D the measured cost of
+one draft-model round (0 for n-gram). offer_i is what the drafter can propose
+(an n-gram drafter often has nothing). Counts decay while a request does not
+draft, so its estimate drifts back to the prior and it probes again now and then.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from macinfer.drafter import DraftModelDrafter, Drafter, NgramDrafter
+from macinfer.errors import MacinferError
+from macinfer.rejection import greedy_verify, rejection_sample
+from macinfer.sequence import Sequence, SequenceStatus
+
+
+# -- verification (called by ModelRunner.execute_model) ---------------------------------
+def verify_rows(group: list[int], rows: list, logits: mx.array) -> list[tuple[int, mx.array]]:
+    """Verify every sampling row of one forward.
+
+    Args:
+        group: each row's index in the step's scheduled list.
+        rows: the ScheduledSequences of the forward.
+        logits: (B, L, V) logits of every position of the forward.
+
+    Returns:
+        (scheduled index, lazy int32 (k + 2,) [num_accepted, x_0..x_k]) per sampling row;
+        a row without drafts gets [0, its next token].
+    """
+    V = logits.shape[-1]
+    argmax = None
+    out = []
+    for j, r in enumerate(rows):
+        if not r.samples:
+            continue
+        seq, n, k = r.seq, r.num_new_tokens, r.num_spec_tokens
+        lg = logits[j, n - 1 - k: n]  # (k + 1, V): the positions that verify d_0..d_{k-1}, then the bonus
+        drafts = seq.spec_token_ids[:k]
+        if seq.sampler.params.greedy:
+            if argmax is None:
+                argmax = mx.argmax(logits, axis=-1)  # (B, L)
+            res = greedy_verify(argmax[j, n - 1 - k: n], mx.array(drafts, dtype=mx.int32))
+        elif k == 0:
+            res = mx.concatenate([mx.zeros((1,), mx.int32), seq.sampler(lg).astype(mx.int32)])
+        else:
+            q = seq.spec_probs
+            if q is not None:
+                q = q[:k]
+                if q.shape[-1] != V:  # a full draft model with more (or fewer) output rows
+                    q = q[:, :V] if q.shape[-1] > V else mx.pad(q, [(0, 0), (0, V - q.shape[-1])])
+            res = rejection_sample(seq.sampler.probs(lg), mx.array(drafts, dtype=mx.int32), q, seq.sampler.next_key())
+        out.append((group[j], res))
+    return out
+
+
+# -- the cost model ----------------------------------------------------------------------
+class StepCost:
+    """Decode step time as A + b * tokens: a linear fit with forgetting, plus a prior.
+
+    The prior (cost of a token = `prior_slope` x the first step measured) stands in
+    until steps of different sizes have been measured; it is forgotten like any
+    observation.
+    """
+
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.1, prior_weight: float = 3.0):
+        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+        self.s = None  # weighted sums: w, x, y, xx, xy
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        s = self.s
+        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+            s[i] += v
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.s is None:
+            self.s = [0.0] * 5
+            # Prior: two points on the line through this one with the prior slope.
+            base = seconds / (1 + self.prior_slope * (tokens - 1))
+            for x in (1, 1 + 8 * max(1, tokens)):
+                self._add(x, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
+        self.s = [v * self.decay for v in self.s]
+        self._add(tokens, seconds, 1.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.s is not None
+
+    def coeffs(self) -> tuple[float, float]:
+        """(A, b): fixed cost per step and cost per token, seconds."""
+        w, x, y, xx, xy = self.s
+        den = w * xx - x * x
+        b = (w * xy - x * y) / den if den > 1e-9 * w * w else 0.0
+        b = max(b, 0.0)
+        a = max((y - b * x) / w, 1e-6)
+        return a, b
+
+    def __call__(self, tokens: int) -> float:
+        a, b = self.coeffs()
+        return a + b * tokens
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0  # decayed counts
+    tried: float = 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verify step emits with k drafts, each accepted with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpecDecoder:
+    """Drafts for the decode rows of each step and learns how many are worth it.
+
+    Args:
+        drafter: a Drafter.
+        block_pool: the target's BlockPool (rollback frees blocks there).
+        num_speculative_tokens: the most tokens drafted per row per step.
+        adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
+    """
+
+    DECAY = 0.9  # per step, a request's own acceptance counts
+    POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
+    PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
+
+    def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 5, adaptive: bool = True):
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens}")
+        self.drafter = drafter
+        self.block_pool = block_pool
+        self.max_k = num_speculative_tokens
+        self.adaptive = adaptive
+        self.acceptance: dict[str, _Acceptance] = {}
+        self.pooled = _Acceptance(accepted=2.0, tried=4.0)  # starts at 0.5
+        self.step_cost = StepCost()
+        self._draft_s = 0.0  # time spent drafting in the current step
+        self.last_k = 0
+
+    # -- acceptance -------------------------------------------------------------------
+    def alpha(self, request_id: str) -> float:
+        pool = self.pooled.accepted / max(self.pooled.tried, 1e-9)
+        a = self.acceptance.get(request_id, _Acceptance())
+        return (a.accepted + self.PRIOR * pool) / (a.tried + self.PRIOR)
+
+    def draft_round_seconds(self) -> float:
+        """One draft-model round (the drafter's measurement; until then a quarter of a step); 0 for n-gram."""
+        if not self.drafter.has_model:
+            return 0.0
+        measured = getattr(self.drafter, "round_s", None)
+        return measured if measured is not None else 0.25 * self.step_cost(1)
+
+    def choose_k(self, alphas: list[float], offers: list[int]) -> int:
+        """The K that maximises expected tokens per second this step (see module docstring)."""
+        if not self.adaptive:
+            return self.max_k
+        if not self.step_cost.ready:
+            return 0  # measure one plain decode step first
+        B = len(alphas)
+        best_k, best = 0, 0.0
+        for K in range(0, max(offers, default=0) + 1):
+            tokens = sum(expected_tokens(a, min(K, o)) for a, o in zip(alphas, offers))
+            seconds = self.step_cost(B * (1 + K)) + self.draft_round_seconds() * K
+            if tokens / seconds > best * (1 + 1e-6):
+                best_k, best = K, tokens / seconds
+        return best_k
+
+    # -- the step ---------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> None:
+        """Draft tokens for the decode rows among running (sets seq.spec_token_ids)."""
+        t0 = time.perf_counter()
+        live = {s.request_id for s in running}
+        for rid in [r for r in self.acceptance if r not in live]:
+            self.remove(rid)
+        for a in self.acceptance.values():
+            a.accepted *= self.DECAY
+            a.tried *= self.DECAY
+        self.pooled.accepted = self.POOL_DECAY * self.pooled.accepted + (1 - self.POOL_DECAY) * 0.5
+        self.pooled.tried = self.POOL_DECAY * self.pooled.tried + (1 - self.POOL_DECAY)
+
+        decodes = []
+        for seq in running:
+            seq.spec_token_ids, seq.spec_probs = [], None
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+                decodes.append(seq)
+        # A row never drafts past its max_tokens (the last token needs no draft).
+        caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - 1) for s in decodes]
+        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(decodes, caps)]
+        K = self.choose_k([self.alpha(s.request_id) for s in decodes], offers) if decodes else 0
+        self.last_k = K
+        self._draft_s = 0.0
+        if K > 0:
+            self.drafter.propose(decodes, [min(K, o) for o in offers])
+        self._draft_s = time.perf_counter() - t0
+
+    def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:
+        """After the step (tokens appended): rollback, acceptance, metrics, the step's cost.
+
+        Rollback: a row that verified k drafts and accepted a of them now has
+        a + 1 new tokens, the last one without K/V yet. The scheduler counted only
+        the row's real token as computed; the a accepted drafts' K/V is valid, so
+        they are counted here, and blocks past the sequence's tokens (holding only
+        rejected drafts) are freed:
+
+            before    tokens [.. t]           computed [.. ]            + k drafts written
+            after     tokens [.. t d0 d1 x]   computed [.. t d0 d1]     (a = 2, x: the target's)
+
+        Args:
+            scheduled: the step's ScheduledSequences.
+            sampled: what execute_model returned for each (a list of tokens for rows with drafts).
+            step_seconds: the whole step's wall time, drafting included.
+        """
+        decode_only, width = True, 1
+        for s, toks in zip(scheduled, sampled):
+            if s.num_new_tokens - s.num_spec_tokens != 1 or toks is None:
+                decode_only = False
+            width = max(width, s.num_new_tokens)
+            if s.seq.is_finished:  # its target blocks are free already: free the drafter's too
+                self.remove(s.seq.request_id)
+            k = s.num_spec_tokens
+            if not k:
+                continue
+            accepted = len(toks) - 1
+            if not s.seq.is_finished:
+                s.seq.num_computed_tokens += accepted
+                self.block_pool.trim(s.seq, s.seq.num_tokens)
+            tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
+            if not s.seq.is_finished:
+                a = self.acceptance.setdefault(s.seq.request_id, _Acceptance())
+                a.accepted += accepted
+                a.tried += tried
+            self.pooled.accepted += accepted
+            self.pooled.tried += tried
+            m = s.seq.metrics
+            m.draft_tokens += k
+            m.accepted_tokens += accepted
+            m.spec_steps += 1
+        if decode_only and scheduled:
+            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
+
+    def remove(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+        self.drafter.remove(request_id)
+
+
+# -- building one from a `draft=` option --------------------------------------------------
+def shipped_draft_for(model_name: str | None) -> str | None:
+    """The name of the draft shipped for this model, if any (macinfer.draft_model.SHIPPED_DRAFTS)."""
+    try:
+        from macinfer.draft_model import SHIPPED_DRAFTS
+    except ImportError:
+        return None
+    path = SHIPPED_DRAFTS.get(model_name or "")
+    return model_name if path is not None and path.is_dir() else None
+
+
+def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int) -> Drafter:
+    """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter."""
+    if isinstance(draft, str) and draft.lower() == "ngram":
+        return NgramDrafter()
+    if hasattr(draft, "propose") and hasattr(draft, "available"):
+        return draft  # a Drafter already
+    if isinstance(draft, str) or hasattr(draft, "__fspath__"):
+        try:
+            from macinfer.draft_model import load_draft
+        except ImportError:
+            raise MacinferError("draft models need macinfer.draft_model, which is missing") from None
+        name = str(draft)
+        draft = load_draft(draft, model, tokenizer)
+        return DraftModelDrafter(draft, num_blocks, block_size, name=name)
+    return DraftModelDrafter(draft, num_blocks, block_size)  # an already loaded mlx-lm model
+
+
+def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_blocks: int, block_size: int,
+                      block_pool) -> SpecDecoder | None:
+    """The engine's SpecDecoder for EngineConfig `config`, or None without a draft.
+
+    draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS), or none.
+    """
+    draft = config.draft
+    if isinstance(draft, str) and draft == "auto":
+        draft = shipped_draft_for(model_name)
+    if draft is None:
+        return None
+    drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size)
+    return SpecDecoder(drafter, block_pool, config.num_speculative_tokens, config.adaptive_speculation)
