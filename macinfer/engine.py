@@ -93,6 +93,9 @@ class EngineConfig:
         num_speculative_tokens: the most tokens drafted per sequence per step.
         adaptive_speculation: pick k each step from measured acceptance and costs
             (False: always draft num_speculative_tokens).
+        kv_bits: store K/V quantised to 8 (or 4) bits in the paged pool
+            (macinfer.kv_quant); None keeps the activation dtype.
+        kv_group_size: quantisation group along head_dim (default 32).
     """
 
     kv_memory: int | str | None = None
@@ -109,6 +112,8 @@ class EngineConfig:
     draft: object = None
     num_speculative_tokens: int = 5
     adaptive_speculation: bool = True
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -156,7 +161,13 @@ class LLMEngine:
 
         # KV capacity: budget -> blocks (block 0 is the null block).
         self.block_size = bs = config.block_size
-        self.bytes_per_token = sum(s.bytes_per_token() for s in self.specs)
+        if config.kv_bits:
+            from macinfer.kv_quant import quantized_bytes_per_token
+
+            self.bytes_per_token = sum(quantized_bytes_per_token(s, config.kv_bits, config.kv_group_size)
+                                       for s in self.specs)
+        else:
+            self.bytes_per_token = sum(s.bytes_per_token() for s in self.specs)
         self.bytes_per_block = self.bytes_per_token * bs
         weight_bytes = getattr(info, "weight_bytes", 0)
         if config.num_blocks is not None:
@@ -175,7 +186,8 @@ class LLMEngine:
                     f"({_fmt_bytes(self.bytes_per_block)} each): raise kv_memory")
         self.block_pool = BlockPool(num_blocks, bs)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
-        self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model))
+        self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
+                                  kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
         self.model_id = setup_prefix_cache(self, config)  # None when the prefix cache is off
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool)  # None: no draft

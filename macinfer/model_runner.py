@@ -40,12 +40,18 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
-                 batch_decode: bool = True):
+                 batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None):
         self.model = model
         self.block_size = block_size
         self.batch_decode = batch_decode
         self.ctx = ForwardContext()
-        self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
+        if kv_bits:
+            from macinfer.kv_quant import QuantizedPagedKVCache
+
+            self.caches = [QuantizedPagedKVCache(self.ctx, spec, num_blocks, block_size, kv_bits, kv_group_size)
+                           for spec in specs]
+        else:
+            self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
         install_attention_patch(model)
         mx.eval([c.state for c in self.caches])
 

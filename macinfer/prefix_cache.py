@@ -134,7 +134,8 @@ def setup_prefix_cache(engine, config) -> str | None:
     pool = engine.block_pool
     pool.enable_caching = True
     pool.cache_root = bytes.fromhex(model_id)
-    if config.persist_prefix_cache:
+    # NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
+    if config.persist_prefix_cache and not getattr(config, "kv_bits", None):
         from macinfer.embedded import cache_dir
         from macinfer.engine import parse_memory
         from macinfer.kv_store import DiskPrefixStore
