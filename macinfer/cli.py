@@ -112,6 +112,8 @@ def stats_line(s: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
+@click.option("--attention", type=click.Choice(["auto", "metal", "reference"]), default="auto", show_default=True,
+              help="Paged attention backend: the fused Metal kernel (checked at start-up) or gather + SDPA.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Store the KV cache quantised to 8 (or 4) bits.")
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
 @click.option("--no-prefix-cache", is_flag=True,
@@ -120,7 +122,7 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose):
+            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -163,7 +165,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     # One request: size the KV pool for one full-context sequence, not for a server's worth.
     options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {}),
                "enable_prefix_cache": not no_prefix_cache, "persist_prefix_cache": not no_prefix_cache,
-               "kv_bits": int(kv_bits) if kv_bits else None}
+               "kv_bits": int(kv_bits) if kv_bits else None, "attention": attention}
     if draft and no_draft:
         raise MacinferError("--draft and --no-draft contradict each other: pick one")
     options["draft"] = None if no_draft else draft or ("auto" if temp == 0 else None)

@@ -96,6 +96,8 @@ class EngineConfig:
         kv_bits: store K/V quantised to 8 (or 4) bits in the paged pool
             (macinfer.kv_quant); None keeps the activation dtype.
         kv_group_size: quantisation group along head_dim (default 32).
+        attention: "auto" (the fused Metal kernel if it passes its start-up check
+            against the reference, else the reference), "metal" or "reference".
     """
 
     kv_memory: int | str | None = None
@@ -114,6 +116,7 @@ class EngineConfig:
     adaptive_speculation: bool = True
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    attention: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -188,6 +191,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                                   kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+        from macinfer.metal_attention import select_attention
+        from macinfer.paged_attention import paged_attention
+
+        fn, self.attention_backend = select_attention(config.attention, paged_attention,
+                                                      head_dim=self.specs[0].k_head_dim, block_size=bs)
+        if self.attention_backend != "reference":
+            self.runner.ctx.attention_fn = fn
         self.model_id = setup_prefix_cache(self, config)  # None when the prefix cache is off
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool)  # None: no draft
@@ -210,7 +220,8 @@ class LLMEngine:
             f"{self.block_pool.num_usable_blocks} blocks x {self.block_size} tokens = {self.num_tokens_capacity} tokens "
             f"({_fmt_bytes(self.bytes_per_token)}/token, {len(self.specs)} layers"
             + (f", sliding windows {windows}" if windows else "") + f"); "
-            f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step"
+            f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step; "
+            f"attention: {self.attention_backend}"
         )
 
     def kv_stats(self) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from macinfer.errors import MacinferError
-from macinfer.paged_attention import paged_attention
 from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask
 
 SUPPORTED_BITS = (4, 8)
@@ -107,8 +106,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         # The compact pool is only valid for this forward: keep paged_attention's
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
-        return paged_attention(queries, k, v, tables, self.ctx.context_lens,
-                               scale=scale, window=self.window, sinks=sinks, memo=sub)
+        return self.ctx.attend(queries, k, v, tables, scale=scale, window=self.window, sinks=sinks, memo=sub)
 
     @property
     def state(self):

@@ -65,6 +65,16 @@ class ForwardContext:
     slot_blocks: mx.array | None = None
     slot_offsets: mx.array | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
+    # The fused Metal kernel when the engine selected it (macinfer.metal_attention); None: reference.
+    attention_fn: object = None
+
+    def attend(self, queries, k_pool, v_pool, block_tables, *, scale, window, sinks, memo) -> mx.array:
+        """Attention over pages with the selected backend (one place for every cache type)."""
+        if self.attention_fn is not None:
+            return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
+                                     scale=scale, window=window, sinks=sinks)
+        return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
+                               scale=scale, window=window, sinks=sinks, memo=memo)
 
 
 @dataclass
@@ -117,10 +127,8 @@ class PagedKVCache:
     def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
-        return paged_attention(
-            queries, self.k_pool, self.v_pool, self.ctx.block_tables, self.ctx.context_lens,
-            scale=scale, window=self.window, sinks=sinks, memo=self.ctx.memo,
-        )
+        return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
+                               scale=scale, window=self.window, sinks=sinks, memo=self.ctx.memo)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property

@@ -507,3 +507,32 @@ def test_bench_script_runs_without_metal(capsys):
     out = capsys.readouterr().out
     assert "no Metal" in out and "timing the reference path only" in out
     assert [line.split()[0] for line in out.splitlines()[-2:]] == ["64", "100"]
+
+
+def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models):
+    """Wired into the engine: auto -> reference here, metal -> one clear error, kernel hook used when set."""
+    from macinfer.engine import LLMEngine
+    from macinfer.errors import MacinferError
+    from macinfer.loader import load_model
+    from macinfer.paged_attention import paged_attention
+
+    model, tok, info = load_model(str(tiny_models("llama")))
+    engine = LLMEngine(model, tok, info, num_blocks=16)
+    assert engine.attention_backend == "reference" and "attention: reference" in engine.describe()
+    assert engine.runner.ctx.attention_fn is None
+    with pytest.raises(MacinferError, match="needs Metal"):
+        LLMEngine(model, tok, info, num_blocks=16, attention="metal")
+    # A selected kernel is what every layer calls: count the calls through the hook.
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return paged_attention(*args, **kw)
+
+    engine.runner.ctx.attention_fn = spy
+    from macinfer.sampling import SamplingParams
+
+    engine.add_request(tok.encode("hello world"), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(calls) == 2 * len(model.layers)  # prefill + one decode, every layer

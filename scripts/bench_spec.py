@@ -1,0 +1,152 @@
+"""Benchmark speculative decoding: speed-up over plain decode, beside mlx-lm's, one run.
+
+The embedded SmolLM2-135M with float32 weights (on the CPU backend a quantised
+verify of k tokens costs ~k single-token steps; float32 + OpenBLAS is nearly
+flat in tokens, like Metal: PLATFORM.md). Every figure is a ratio to plain
+decoding measured in the same run, the configurations interleaved per prompt:
+
+  1. single stream, greedy: chat prompts, a code-editing prompt that repeats
+     its input, and a random-text prompt (sampled at temperature 1, where no
+     drafter can guess: adaptive k must keep it at ~1x). macinfer with no
+     draft / n-gram / the shipped draft model, and mlx-lm's stream_generate
+     without and with the same draft model (`draft_model=`, fixed k);
+  2. 8 concurrent requests (continuous batching), with vs without speculation.
+
+Usage:
+    python scripts/bench_spec.py                     # ~10 min on 2 shared cores
+    python scripts/bench_spec.py --tokens 32 --quick # fewer prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
+import mlx.core as mx  # noqa: E402
+
+from macinfer.engine import LLMEngine  # noqa: E402
+from macinfer.sampling import SamplingParams  # noqa: E402
+
+CHAT = [
+    "What is the capital of France? Answer in one sentence.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is to a beginner.",
+]
+CODE = '''Fix the typo in this Python function and return the whole corrected code, nothing else.
+
+def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i + 1 >= window:
+            out.append(total / windwo)
+    return out
+'''
+RANDOM = "Continue this list of random words: zebra quantum velvet 7 orbit mango 42 tundra flux cobalt"
+
+
+def load():
+    from macinfer.draft_model import load_draft
+    from macinfer.loader import load_model
+
+    model, tok, info = load_model(None, dequantize=True)
+    draft = load_draft("smollm2-135m", model, tok)
+    return model, tok, info, draft
+
+
+def chat_ids(tok, text):
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def run_engine(engine, prompts, params):
+    """Serve prompts together; returns (outputs, decode-phase tok/s aggregated)."""
+    rids = [engine.add_request(p, params) for p in prompts]
+    outs, t_all_started = {}, None
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.output is not None:
+                outs[d.request_id] = d.output
+        if t_all_started is None and all(
+                engine.requests.get(r) is None or engine.requests[r].num_output_tokens > 0 for r in rids):
+            t_all_started, tokens_then = time.perf_counter(), sum(
+                engine.requests[r].num_output_tokens if r in engine.requests else len(outs[r].token_ids) for r in rids)
+    total = sum(len(outs[r].token_ids) for r in rids)
+    rate = (total - tokens_then) / (time.perf_counter() - t_all_started)
+    return [outs[r] for r in rids], rate
+
+
+def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
+    from mlx_lm.generate import stream_generate
+
+    last, toks = None, []
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k):
+        last = r
+        toks.append(r.token)
+    return last.generation_tps, toks
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--quick", action="store_true", help="one chat prompt, no mlx-lm, no batch")
+    ap.add_argument("--k", type=int, default=5, help="macinfer's most drafts per step (adaptive below it)")
+    args = ap.parse_args()
+    model, tok, info, draft = load()
+    opts = dict(kv_memory="192MB", max_num_seqs=8, enable_prefix_cache=False, num_speculative_tokens=args.k)
+    engines = {
+        "plain": LLMEngine(model, tok, info, **opts),
+        "ngram": LLMEngine(model, tok, info, draft="ngram", **opts),
+        "draft": LLMEngine(model, tok, info, draft=draft, **opts),
+    }
+    greedy = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
+    cases = [(f"chat {i + 1}", chat_ids(tok, t), greedy) for i, t in enumerate(CHAT[:1] if args.quick else CHAT)]
+    cases += [("code edit", chat_ids(tok, CODE), SamplingParams(max_tokens=2 * args.tokens, ignore_eos=True)),
+              ("random (T=1)", chat_ids(tok, RANDOM), sampled)]
+    for e in engines.values():  # warm-up (compilation of shapes, BLAS threads)
+        run_engine(e, [cases[0][1]], SamplingParams(max_tokens=4))
+
+    print(f"SmolLM2-135M float32, {args.tokens} tokens/request, macinfer k <= {args.k} (adaptive), "
+          f"mlx-lm k = 3 (fixed); decode tok/s and speed-up over plain decode of the same engine")
+    print(f"{'prompt':14} {'plain':>7} {'ngram':>14} {'draft':>14} {'acc n/d':>10} | {'mlx-lm':>7} {'mlx-lm+draft':>14}  same")
+    for name, ids, params in cases:
+        res = {}
+        for key, e in engines.items():
+            (out,), _ = run_engine(e, [ids], params)
+            res[key] = out
+        tps = {k: o.metrics.decode_tps for k, o in res.items()}
+        acc = "/".join("-" if res[k].metrics.acceptance_rate is None else f"{res[k].metrics.acceptance_rate:.2f}"
+                       for k in ("ngram", "draft"))
+        same = params.greedy and res["plain"].token_ids == res["ngram"].token_ids == res["draft"].token_ids
+        line = (f"{name:14} {tps['plain']:7.1f} {tps['ngram']:7.1f} ({tps['ngram'] / tps['plain']:.2f}x) "
+                f"{tps['draft']:7.1f} ({tps['draft'] / tps['plain']:.2f}x) {acc:>10} |")
+        if not args.quick:
+            base, _ = mlx_lm_tps(model, tok, ids, params.max_tokens)
+            spec, _ = mlx_lm_tps(model, tok, ids, params.max_tokens, draft=draft)
+            line += f" {base:7.1f} {spec:7.1f} ({spec / base:.2f}x)"
+        print(line + f"  {'yes' if same else ('n/a' if not params.greedy else 'NO')}", flush=True)
+
+    if not args.quick:
+        prompts = [chat_ids(tok, t) for t in (CHAT * 3)[:8]]
+        print("\n8 concurrent requests (chat prompts, greedy), aggregate decode tok/s:")
+        rates = {}
+        for key in ("plain", "ngram", "draft"):
+            outs, rates[key] = run_engine(engines[key], prompts, greedy)
+            acc = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+            print(f"  {key:6} {rates[key]:7.1f} tok/s ({rates[key] / rates['plain']:.2f}x)"
+                  + (f", mean acceptance {sum(acc) / len(acc):.2f}" if acc else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()

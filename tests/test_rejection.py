@@ -1,0 +1,156 @@
+"""Rejection sampling keeps the target's distribution: chi-square over a tiny vocabulary.
+
+The target and the draft are Markov chains over V tokens (next-token tables P and
+Q), so the target's distribution at each drafted position depends on the drafts
+before it, as with a real model. Many independent generations of three tokens
+run at once; the joint (x0, x1, x2) must follow P. A deliberately wrong rule
+(on rejection, resample from p instead of the residual) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer.drafter import NgramDrafter
+from macinfer.rejection import greedy_verify, rejection_sample
+
+V, K, N, START = 4, 3, 60_000, 0
+
+
+def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square p-value (Wilson-Hilferty approximation of the chi-square tail)."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.size - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def tables(seed=0):
+    rng = np.random.default_rng(seed)
+    P = rng.dirichlet(np.full(V, 2.0), size=V) * 0.8 + 0.05  # every cell >= 0.05
+    Q = rng.dirichlet(np.full(V, 1.0), size=V)  # a different, peakier chain
+    return P / P.sum(1, keepdims=True), Q
+
+
+def wrong_resample_from_p(p, drafts, q, key):
+    """The classic bug: accept with min(1, p/q) but on rejection draw from p, not norm(max(0, p - q))."""
+    k = drafts.shape[-1]
+    if q is None:
+        q = (mx.arange(p.shape[-1]) == drafts[..., None]).astype(p.dtype)
+    key_u, key_x = mx.random.split(key)
+    p_d = mx.take_along_axis(p[..., :k, :], drafts[..., None], axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    accept = (mx.random.uniform(shape=p_d.shape, key=key_u) * q_d < p_d).astype(mx.int32)
+    a = mx.cumprod(accept, axis=-1).sum(axis=-1, keepdims=True)
+    x = mx.random.categorical(mx.log(p), key=key_x)
+    padded = mx.concatenate([drafts, mx.zeros_like(drafts[..., :1])], axis=-1)
+    tokens = mx.where(mx.arange(k + 1) < a, padded, x)
+    return mx.concatenate([a, tokens], axis=-1).astype(mx.int32)
+
+
+def mlx_lm_rule(p, drafts, q, key):
+    """mlx-lm's speculative_generate_step: sample t_i ~ p_i at every position, accept while t_i == d_i."""
+    k = drafts.shape[-1]
+    t = mx.random.categorical(mx.log(p), key=key).astype(mx.int32)  # (..., k + 1)
+    match = (t[..., :k] == drafts).astype(mx.int32)
+    a = mx.cumprod(match, axis=-1).sum(axis=-1, keepdims=True)
+    return mx.concatenate([a, t], axis=-1).astype(mx.int32)
+
+
+def generate(rule, P, Q, one_hot_draft: bool, n_tokens=3, seed=0):
+    """N independent speculative generations of n_tokens from START; returns (tokens (N, n), acceptance)."""
+    rng = np.random.default_rng(seed)
+    Pm, Qm = mx.array(P, dtype=mx.float32), mx.array(Q, dtype=mx.float32)
+    out = np.zeros((N, n_tokens + K + 1), dtype=np.int64)
+    count = np.zeros(N, dtype=np.int64)
+    ctx = np.full(N, START)
+    key = mx.random.key(seed)
+    drafted = accepted = 0
+    while (count < n_tokens).any():
+        # Draft K tokens per row from Q (sampled, or Q's argmax when one-hot).
+        drafts = np.zeros((N, K), dtype=np.int64)
+        prev = ctx.copy()
+        for i in range(K):
+            if one_hot_draft:
+                drafts[:, i] = Q[prev].argmax(1)
+            else:
+                u = rng.random(N)[:, None]
+                drafts[:, i] = (np.cumsum(Q[prev], 1) < u).sum(1).clip(max=V - 1)
+            prev = drafts[:, i]
+        prevs = np.concatenate([ctx[:, None], drafts], axis=1)  # (N, K + 1) context of each position
+        p = Pm[mx.array(prevs)]  # (N, K + 1, V)
+        q = None if one_hot_draft else Qm[mx.array(prevs[:, :K])]
+        key, sub = mx.random.split(key)
+        res = np.array(rule(p, mx.array(drafts, dtype=mx.int32), q, sub))
+        active = count < n_tokens
+        a = res[:, 0]
+        for j in range(K + 1):  # emitted tokens are res[:, 1 : 2 + a]
+            rows = np.flatnonzero(active & (j <= a))
+            out[rows, count[rows] + j] = res[rows, 1 + j]
+        drafted += K * int(active.sum())
+        accepted += int(a[active].sum())
+        count = np.where(active, count + a + 1, count)
+        ctx = out[np.arange(N), count - 1]
+    return out[:, :n_tokens], accepted / drafted
+
+
+def joint_pvalue(tokens, P):
+    idx = tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2]
+    observed = np.bincount(idx, minlength=V ** 3).astype(float)
+    expected = np.einsum("a,ab,bc->abc", P[START], P, P).reshape(-1) * len(tokens)
+    return chi2_pvalue(observed, expected)
+
+
+@pytest.mark.parametrize("one_hot_draft", [False, True], ids=["sampled-draft", "deterministic-draft"])
+def test_rejection_sampling_matches_target(one_hot_draft):
+    P, Q = tables()
+    tokens, acc = generate(rejection_sample, P, Q, one_hot_draft)
+    assert joint_pvalue(tokens, P) > 1e-3
+    assert 0.03 < acc < 0.95  # both the accept and the residual paths were exercised
+
+
+@pytest.mark.parametrize("one_hot_draft", [False, True], ids=["sampled-draft", "deterministic-draft"])
+def test_wrong_rule_fails_the_same_test(one_hot_draft):
+    P, Q = tables()
+    tokens, _ = generate(wrong_resample_from_p, P, Q, one_hot_draft)
+    assert joint_pvalue(tokens, P) < 1e-6
+
+
+def test_mlx_lm_equality_rule_is_exact_but_accepts_less():
+    """mlx-lm's rule emits the target's own samples, so it is exact too; it just accepts less
+    (P(accept) = sum p*q instead of sum min(p, q))."""
+    P, Q = tables()
+    tokens, acc_mlx = generate(mlx_lm_rule, P, Q, one_hot_draft=False)
+    assert joint_pvalue(tokens, P) > 1e-3
+    _, acc = generate(rejection_sample, P, Q, one_hot_draft=False)
+    assert acc_mlx < acc - 0.05
+
+
+def test_greedy_verify_accepts_leading_matches():
+    target = mx.array([[5, 6, 7, 8], [5, 9, 7, 8], [1, 6, 7, 8]])
+    drafts = mx.array([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    assert greedy_verify(target, drafts).tolist() == [[3, 5, 6, 7, 8], [1, 5, 9, 7, 8], [0, 1, 6, 7, 8]]
+
+
+def test_greedy_is_rejection_sampling_with_one_hot_p():
+    """With one-hot p (greedy), the general rule gives exactly greedy_verify, for any q."""
+    p = mx.eye(6)[mx.array([2, 3, 4, 5])][None]  # argmax 2, 3, 4, 5
+    for drafts in ([2, 3, 4], [2, 3, 0], [1, 3, 4]):
+        d = mx.array([drafts])
+        q = mx.softmax(mx.random.normal((1, 3, 6), key=mx.random.key(1)), axis=-1)
+        want = greedy_verify(mx.array([[2, 3, 4, 5]]), d).tolist()
+        assert rejection_sample(p, d, q, mx.random.key(0)).tolist() == want
+        assert rejection_sample(p, d, None, mx.random.key(0)).tolist() == want
+
+
+def test_ngram_lookup():
+    nd = NgramDrafter()
+    assert nd.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert nd.lookup([1, 2, 3, 4, 5], 3) == []  # no earlier occurrence
+    # The longest n-gram wins, then the latest occurrence.
+    assert nd.lookup([7, 2, 3, 8, 1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert nd.lookup([5, 5, 5, 5], 4) == [5]  # a match right before the end offers what is left

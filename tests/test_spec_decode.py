@@ -1,0 +1,261 @@
+"""Speculative decoding in the engine, on tiny random models.
+
+Greedy: every drafter (a draft model that is the target itself = always right,
+one with other weights = mostly wrong, scripted drafters that are always right
+or always wrong, n-gram on a model that repeats itself) must give mlx-lm's tokens exactly, alone and in a
+continuous batch with arrivals, a pool small enough to preempt, and no block
+left behind by rollback. Sampling: the engine's sampled tokens with speculation
+follow the target's exact distribution (chi-square on the first two tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from oracle import mlx_lm_greedy
+
+from macinfer.drafter import DraftModelDrafter, NgramDrafter
+from macinfer.engine import LLMEngine
+from macinfer.sampling import Sampler, SamplingParams
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Paged attention stores the key value cache",
+    "What is the capital of France?",
+    "Once upon a time there was a little model",
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models):
+    target_path, other_path = tiny_models("llama"), tiny_models("llama", seed=1)
+    model, tok = mlx_lm.load(str(target_path))
+    prompts = [tok.encode(t) for t in TEXTS]
+    want = [mlx_lm_greedy(target_path, p, MAX_TOKENS) for p in prompts]
+    return {"target": target_path, "other": other_path, "model": model, "tok": tok, "prompts": prompts, "want": want}
+
+
+class ScriptedDrafter:
+    """Proposes the known greedy continuation (right) or something else (wrong): deterministic."""
+
+    name, has_model = "scripted", False
+
+    def __init__(self, prompts, continuations, right: bool, vocab: int):
+        self.script = {tuple(p): c for p, c in zip(prompts, continuations)}
+        self.right, self.vocab = right, vocab
+
+    def available(self, seq, k):
+        return k
+
+    def propose(self, seqs, num_draft):
+        for seq, k in zip(seqs, num_draft):
+            cont = self.script[tuple(seq.prompt_token_ids)]
+            j = seq.num_output_tokens
+            want = (cont[j: j + k] + [0] * k)[:k]
+            seq.spec_token_ids = want if self.right else [(t + 1) % self.vocab for t in want]
+            seq.spec_probs = None
+
+    def remove(self, request_id):
+        pass
+
+
+def make_draft(kind, m):
+    if kind == "same":
+        return str(m["target"])  # loaded through macinfer.draft_model.load_draft
+    if kind == "other":
+        return str(m["other"])
+    return ScriptedDrafter(m["prompts"], m["want"], right=kind == "right", vocab=m["model"].args.vocab_size)
+
+
+def run(engine, arrivals):
+    """arrivals: (step, prompt, params, rid). Checks the no-leak invariant after every step."""
+    arrivals, outputs, step = list(arrivals), {}, 0
+    pool = engine.block_pool
+    while arrivals or engine.has_unfinished():
+        for a in [a for a in arrivals if a[0] == step]:
+            engine.add_request(a[1], a[2], request_id=a[3])
+            arrivals.remove(a)
+        for d in engine.step():
+            if d.output is not None:
+                outputs[d.request_id] = d.output
+        # Rollback freed every block past a sequence's tokens.
+        for seq in engine.scheduler.running:
+            assert len(pool.req_to_blocks.get(seq.request_id, [])) <= pool.num_blocks_for(seq.num_tokens), seq
+            assert seq.num_computed_tokens <= seq.num_tokens
+        step += 1
+        assert step < 1000
+    return outputs
+
+
+def assert_all_free(engine):
+    engine.step()  # lets the drafter drop what finished requests held
+    for pool in [engine.block_pool] + ([engine.spec.drafter.pool] if isinstance(engine.spec.drafter, DraftModelDrafter) else []):
+        used = [b for b in pool.blocks[1:] if b.ref_cnt]
+        assert not used and pool.req_to_blocks == {}
+    assert engine.requests == {}
+
+
+@pytest.mark.parametrize("kind", ["same", "other", "right", "wrong"])
+def test_greedy_equals_mlx_lm(models, kind):
+    m = models
+    engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=40,
+                       draft=make_draft(kind, m), num_speculative_tokens=3, adaptive_speculation=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    # Alone, then all four arriving over the first steps (continuous batch).
+    alone = run(engine, [(0, m["prompts"][0], params, "alone")])
+    assert alone["alone"].token_ids == m["want"][0]
+    batch = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(m["prompts"])])
+    for i, want in enumerate(m["want"]):
+        assert batch[f"r{i}"].token_ids == want, i
+    drafted = sum(o.metrics.draft_tokens for o in batch.values())
+    accepted = sum(o.metrics.accepted_tokens for o in batch.values())
+    if kind in ("same", "right"):
+        assert drafted > 0 and accepted == drafted
+    if kind == "wrong":
+        assert drafted > 0 and accepted == 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("kind", ["same", "wrong"])
+def test_preemption_during_speculation(models, kind):
+    m = models
+    # 17 usable blocks of 4 tokens: each sequence (<= 62 tokens) fits alone, not all four.
+    engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=18,
+                       draft=make_draft(kind, m), num_speculative_tokens=4, adaptive_speculation=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    out = run(engine, [(0, p, params, f"r{i}") for i, p in enumerate(m["prompts"])])
+    assert engine.scheduler.num_preemptions > 0
+    for i, want in enumerate(m["want"]):
+        assert out[f"r{i}"].token_ids == want, i
+    assert_all_free(engine)
+
+
+def test_ngram_greedy_on_repetitive_model(tiny_models):
+    """A flattened random model repeats itself: n-gram drafts are often (not always) right."""
+    from mlx.utils import tree_map
+    from mlx_lm.generate import generate_step
+
+    model, tok = mlx_lm.load(str(tiny_models("llama")))
+    model.update(tree_map(lambda w: w * 0.3 if w.ndim > 1 else w, model.parameters()))
+    prompts = [tok.encode(t) for t in TEXTS]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=32)] for p in prompts]
+    engine = LLMEngine(model, tok, None, max_model_len=256, block_size=4, num_blocks=60,
+                       draft="ngram", num_speculative_tokens=4, adaptive_speculation=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    alone = run(engine, [(0, prompts[1], params, "alone")])
+    assert alone["alone"].token_ids == want[1]
+    out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert out[f"r{i}"].token_ids == want[i], i
+    drafted = sum(o.metrics.draft_tokens for o in out.values())
+    accepted = sum(o.metrics.accepted_tokens for o in out.values())
+    assert 0 < accepted < drafted
+    assert_all_free(engine)
+
+
+def test_adaptive_k_follows_acceptance_and_costs():
+    """K maximises expected tokens per second: more drafts when they are cheap and right."""
+    from macinfer.spec_decode import SpecDecoder, StepCost
+
+    spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=5)
+    assert spec.choose_k([0.9], [5]) == 0  # nothing measured yet: one plain step first
+
+    def costs(a, b):
+        spec.step_cost = StepCost(prior_weight=0.0)
+        for n in (1, 2, 4, 8, 1, 3):
+            spec.step_cost.observe(n, a + b * n)
+
+    costs(0.100, 0.008)  # float32 + OpenBLAS, Metal: nearly flat in tokens
+    assert spec.choose_k([0.95], [5]) == 5
+    assert spec.choose_k([0.95], [2]) == 2  # the drafter only offers 2
+    assert spec.choose_k([0.0], [5]) == 0
+    assert spec.choose_k([0.0, 0.9], [5, 5]) == 5  # one row's good drafts pay for the batch
+    costs(0.0, 0.1)  # quantised matmul on a CPU: k drafts cost k tokens
+    assert spec.choose_k([0.8], [5]) == 0
+    spec.drafter.has_model = True
+    costs(0.100, 0.008)
+    spec.drafter.round_s = 0.05  # a draft model costing half a step per token
+    assert spec.choose_k([0.95], [5]) > 0
+    assert spec.choose_k([0.3], [5]) == 0
+
+
+# -- sampling: the distribution is the target's ---------------------------------------------
+def chi2_pvalue(observed, expected):
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.size - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("kind", ["model", "top"])
+def test_sampled_tokens_follow_the_target(models, kind):
+    """First three sampled tokens (top-3, temperature 1) against the target's exact joint distribution.
+
+    The first comes from the prefill; the next two from one verify step with two drafts,
+    from a perturbed copy of the target (sampled q) or from a deterministic drafter.
+    """
+    from mlx.utils import tree_map
+
+    m = models
+    model, prompt = m["model"], m["prompts"][2]
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=3))
+
+    def probs(ids):
+        return np.array(sampler.probs(model(mx.array([ids]))[0, -1]))
+
+    p = {(): probs(prompt)}
+    for a in np.flatnonzero(p[()]):
+        p[(a,)] = probs(prompt + [int(a)])
+        for b in np.flatnonzero(p[(a,)]):
+            p[(a, b)] = probs(prompt + [int(a), int(b)])
+    cells = [(a, b, c) for a in np.flatnonzero(p[()]) for b in np.flatnonzero(p[(a,)]) for c in np.flatnonzero(p[(a, b)])]
+    if kind == "top":  # always proposes the two tokens most likely after the most likely first token
+        a = int(p[()].argmax())
+        b = int(p[(a,)].argmax())
+        draft = ScriptedDrafter([prompt], [[a, b, int(p[(a, b)].argmax())]], right=True, vocab=0)
+    else:
+        draft, _ = mlx_lm.load(str(m["target"]))
+        noise = mx.random.key(7)
+        draft.update(tree_map(lambda w: w + 0.15 * mx.random.normal(w.shape, key=noise) if w.ndim > 1 else w,
+                              draft.parameters()))
+    engine = LLMEngine(model, m["tok"], None, max_model_len=64, block_size=4, num_blocks=900, max_num_seqs=64,
+                       draft=draft, num_speculative_tokens=2, adaptive_speculation=False)
+    n = 1500 if kind == "model" else 1000
+    for i in range(n):
+        engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=i))
+    counts, drafted, accepted = {}, 0, 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.output is not None:
+                key = tuple(d.output.token_ids[:3])
+                counts[key] = counts.get(key, 0) + 1
+                drafted += d.output.metrics.draft_tokens
+                accepted += d.output.metrics.accepted_tokens
+    assert set(counts) <= set(cells)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    expected = np.array([p[()][a] * p[(a,)][b] * p[(a, b)][c] for a, b, c in cells]) * n
+    assert chi2_pvalue(observed, expected) > 1e-3
+    assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths ran
+
+
+def test_run_cli_draft_options(models):
+    import json
+
+    from click.testing import CliRunner
+
+    from macinfer.cli import main
+
+    args = ["run", str(models["target"]), "The quick brown fox", "--no-chat-template", "-n", "8", "--json",
+            "--no-prefix-cache"]
+    result = CliRunner().invoke(main, args + ["--draft", str(models["target"])])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output.strip().splitlines()[-1])
+    assert stats["generation_tokens"] == 8 and stats["accepted_tokens"] <= stats["draft_tokens"]
+    assert "accepted_per_step" in stats  # (None if adaptive k never drafted: it is timing-driven)
+    result = CliRunner().invoke(main, args + ["--draft", "ngram", "--no-draft"])
+    assert result.exit_code != 0 and "contradict" in result.output
