@@ -1,0 +1,181 @@
+"""Draft models for speculative decoding: load one that is guaranteed to share the target's tokenizer.
+
+Two kinds of draft directory load here:
+
+- **Embedding-less drafts** (what macinfer ships, e.g. ``models/smollm2-135m-draft``): an mlx-lm
+  model directory whose ``model.safetensors`` holds only transformer layers and the final norm;
+  ``config.json`` has ``"macinfer_draft": {"embedding": "target", ...}``. The input embedding and
+  the tied lm_head are taken from the target model (shared, not copied), so the draft uses the
+  target's tokenizer by construction. Its hidden size and vocabulary size must match the target's.
+- **Full mlx-lm models** (own embedding and tokenizer), given as a path, catalog name or
+  Hugging Face repo id (whatever ``macinfer.loader`` accepts). Its tokenizer vocabulary must equal
+  the target's, token for token.
+
+Either mismatch is a one-line ``MacinferError``. On hosts without Metal, half-precision
+parameters are cast to float32 (and a quantised full draft is dequantised by default): the CPU
+backend emulates float16 and its quantised matmul is slow (see PLATFORM.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from macinfer.errors import MacinferError
+
+_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-draft"}
+
+
+def _target_names(target_model) -> tuple:
+    """(embedding module, untied lm_head module or None) of an mlx-lm model."""
+    inner = getattr(target_model, "model", None)
+    if inner is None and hasattr(target_model, "language_model"):
+        target_model = target_model.language_model
+        inner = getattr(target_model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        raise MacinferError("the target model has no model.embed_tokens: an embedding-less draft cannot attach to it")
+    args = getattr(target_model, "args", None)
+    tied = getattr(args, "tie_word_embeddings", True) if args is not None else not hasattr(target_model, "lm_head")
+    head = None if tied else getattr(target_model, "lm_head", None)
+    return embed, head
+
+
+def _embedding_rows_and_dim(embed) -> tuple[int, int]:
+    w = embed.weight
+    rows = w.shape[0]
+    dim = w.shape[1]
+    bits = getattr(embed, "bits", None)
+    if bits:  # QuantizedEmbedding: packed uint32 columns
+        dim = dim * 32 // bits
+    return rows, dim
+
+
+def _tokenizer_vocab(tokenizer) -> dict:
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return tok.get_vocab()
+    except Exception as e:  # pragma: no cover - exotic tokenizers
+        raise MacinferError(f"cannot read the tokenizer vocabulary ({type(e).__name__})") from None
+
+
+def _cast_for_cpu(model) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    if mx.metal.is_available():
+        return
+    half = (mx.float16, mx.bfloat16)
+    cast = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters()) if v.dtype in half]
+    if cast:
+        model.update(tree_unflatten(cast))
+
+
+def _resolve(spec_or_path) -> Path | None:
+    """A local directory for an embedding-less or full draft; None if it is a name for the loader."""
+    if isinstance(spec_or_path, Path) or spec_or_path in SHIPPED_DRAFTS:
+        path = SHIPPED_DRAFTS.get(spec_or_path, spec_or_path) if not isinstance(spec_or_path, Path) else spec_or_path
+        if not Path(path).is_dir():
+            raise MacinferError(f"draft '{spec_or_path}' not found at {path}: is the checkout complete?")
+        return Path(path)
+    path = Path(str(spec_or_path)).expanduser()
+    return path if path.is_dir() else None
+
+
+def _is_embeddingless(path: Path) -> bool:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (cfg.get("macinfer_draft") or {}).get("embedding") == "target"
+
+
+def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: bool | None = None):
+    import mlx.core as mx
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    cfg = json.loads((path / "config.json").read_text())
+    embed, head = _target_names(target_model)
+    rows, dim = _embedding_rows_and_dim(embed)
+    vocab = cfg.get("vocab_size")
+    name = path.name
+    if vocab != rows:
+        raise MacinferError(
+            f"draft {name} is for a {vocab}-token vocabulary but the target has {rows}: use a draft made for this target"
+        )
+    if cfg.get("hidden_size") != dim:
+        raise MacinferError(
+            f"draft {name} has hidden size {cfg.get('hidden_size')} but the target's embedding is {dim} wide: "
+            "use a draft made for this target"
+        )
+    n_tok = len(_tokenizer_vocab(target_tokenizer))
+    if n_tok > rows:
+        raise MacinferError(f"the target tokenizer has {n_tok} tokens but draft {name} covers {rows}")
+    try:
+        draft, _ = mlx_load_model(path, strict=False)
+        stored = set()
+        for f in path.glob("model*.safetensors"):
+            stored |= set(mx.load(str(f)))
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MacinferError(f"could not load draft {name} ({msg})") from None
+    from mlx.utils import tree_flatten
+
+    missing = [k for k, _ in tree_flatten(draft.parameters()) if "embed_tokens" not in k and k not in stored]
+    if missing:
+        raise MacinferError(f"draft {name} is incomplete: {len(missing)} weights missing (e.g. {missing[0]})")
+    if dequantize is None:
+        dequantize = not mx.metal.is_available()
+    if dequantize and "quantization" in cfg:
+        from mlx_lm.utils import dequantize_model
+
+        draft = dequantize_model(draft)
+    # Share the target's embedding (and head, if untied) instead of holding a copy.
+    draft.model.embed_tokens = embed
+    if head is not None:
+        draft.args.tie_word_embeddings = False
+        draft.lm_head = head
+    _cast_for_cpu(draft)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool | None = None):
+    """Load a draft model for `target_model` that is checked to share its tokenizer.
+
+    Args:
+        spec_or_path: a shipped draft name (``SHIPPED_DRAFTS``, e.g. "smollm2-135m"), a directory
+            (embedding-less draft or full mlx-lm model), or anything ``macinfer.loader`` resolves.
+        target_model: the loaded target (an mlx-lm model).
+        target_tokenizer: the target's tokenizer (mlx-lm TokenizerWrapper or HF tokenizer).
+        dequantize: dequantise quantised draft weights (default: when there is no Metal, where
+            quantised matmul is slow; the shared target embedding is never touched).
+
+    Returns:
+        the draft as an mlx-lm model (``draft(tokens, cache=...) -> logits``; ``draft.make_cache()``).
+    """
+    import mlx.core as mx
+
+    path = _resolve(spec_or_path)
+    if path is not None and _is_embeddingless(path):
+        return _load_embeddingless(path, target_model, target_tokenizer, dequantize)
+
+    from macinfer.loader import load_model
+
+    if dequantize is None:
+        dequantize = not mx.metal.is_available()
+    draft, draft_tok, info = load_model(str(path) if path is not None else spec_or_path, dequantize=dequantize)
+    mine, theirs = _tokenizer_vocab(draft_tok), _tokenizer_vocab(target_tokenizer)
+    if mine != theirs:
+        diff = len(set(mine.items()) ^ set(theirs.items()))
+        raise MacinferError(
+            f"draft {info.name} does not share the target's tokenizer ({len(mine)} vs {len(theirs)} tokens, "
+            f"{diff} entries differ): pick a draft from the target's model family"
+        )
+    # A full draft's output rows must cover the target's tokens (ids index the same table).
+    rows = info.config.get("vocab_size") or len(mine)
+    if rows < len(theirs):
+        raise MacinferError(f"draft {info.name} has {rows} output rows for a {len(theirs)}-token tokenizer")
+    return draft
