@@ -32,7 +32,8 @@ def bench_engines(model_spec, repeats, tokens, dequantize):
     from macinfer.llm import LLM
     from macinfer.sampling import SamplingParams
 
-    llm = LLM(model_spec, dequantize=dequantize)
+    # Prefix cache off: repeats of one prompt would otherwise be cache hits (not what is compared).
+    llm = LLM(model_spec, dequantize=dequantize, enable_prefix_cache=False)
     ids = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     rows = {"macinfer": [], "mlx-lm": []}

@@ -93,7 +93,11 @@ async def test_streamed_reply_metrics_and_history(tiny):
 
 
 @pytest.mark.anyio
-async def test_escape_cancels_and_frees_every_block(tiny):
+async def test_escape_cancels_and_frees_every_block(tiny, monkeypatch):
+    # A tiny model on a quiet machine writes 400 tokens faster than the pilot looks:
+    # slow each engine step down so there is a reply in progress to cancel.
+    step = ChatBackend.step
+    monkeypatch.setattr(ChatBackend, "step", lambda self: (time.sleep(0.02), step(self))[1])
     app = ChatApp(tiny, peak_bandwidth=100, max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)

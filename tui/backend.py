@@ -105,6 +105,7 @@ class ChatBackend:
             peak_gbps=self.peak.gbps if self.peak else None,
             peak_source=self.peak.source if self.peak else None,
             prefix_cache=self.prefix_cache, speculation=self.speculation,
+            attention=getattr(self.engine, "attention_backend", "reference"),
         )
 
     def close(self) -> None:

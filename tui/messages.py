@@ -39,6 +39,7 @@ class ModelCard:
     peak_source: str | None
     prefix_cache: bool | None  # None: this engine has no prefix cache
     speculation: bool | None  # None: this engine cannot speculate
+    attention: str = "reference"  # the engine's attention backend: "metal" or "reference"
 
 
 @dataclass

@@ -116,7 +116,8 @@ class MetricsPanel(VerticalScroll):
             f["size"] = f"{fmt_params(c.num_params)} params, {fmt_bytes(c.weight_bytes)}"
             f["quantization"] = c.quantization
             f["context"] = f"{c.context_length} tok"
-        f["ttft"] = _num(s.ttft, ".2f", " s")
+        # Sub-second TTFTs (a warm prefix, a small model on Metal) read better in ms.
+        f["ttft"] = _num(s.ttft * 1000, ".0f", " ms") if s.ttft is not None and s.ttft < 1 else _num(s.ttft, ".2f", " s")
         f["prefill"] = _num(s.prefill_tps, ".1f", " tok/s")
         f["decode"] = _num(s.decode_tps, ".1f", " tok/s")
         f["tokens"] = f"{s.prompt_tokens} in, {s.generated_tokens} out" if s.prompt_tokens else UNSET
@@ -136,7 +137,8 @@ class MetricsPanel(VerticalScroll):
             self.shown_card = c  # the card changes on load only: these may re-wrap, so they take a layout pass
             if c is not None:
                 self.query_one("#model-card", Static).update(Text.assemble(
-                    (f["model"], "bold"), "\n", f["size"], "\n", f"{f['quantization']}, ctx {f['context']}"))
+                    (f["model"], "bold"), "\n", f["size"], "\n", f"{f['quantization']}, ctx {f['context']}",
+                    "\n", f"attention: {c.attention}"))
             self.query_one("#peak", Static).update(Text(f"of peak {f['peak']}", style="dim"))
         self.query_one("#speed", Figures).set_values([f["ttft"], f["prefill"], f["decode"], f["tokens"]])
         self.query_one("#decode-spark", Sparkline).data = list(s.step_tps)
