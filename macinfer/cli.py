@@ -12,6 +12,7 @@ import sys
 import click
 
 from macinfer.errors import MacinferError
+from macinfer.units import fmt_bytes
 
 
 class Group(click.Group):
@@ -39,13 +40,6 @@ def main():
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello"
       macinfer chat                                       # terminal UI with live metrics
     """
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
 
 
 def run_stats(out, info, peak) -> dict:
@@ -87,7 +81,7 @@ def stats_line(s: dict) -> str:
         f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
         f"generated {s['generation_tokens']} tok",
         f"decode {f(s['decode_tps'], '.1f')} tok/s",
-        f"peak mem {_fmt_bytes(s['peak_memory_bytes'])}",
+        f"peak mem {fmt_bytes(s['peak_memory_bytes'])}",
     ]
     if s["bandwidth_utilisation"] is not None:
         parts.append(
@@ -177,7 +171,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
         from macinfer import _blas
 
         click.echo(f"model {info.name}: {info.model_type}, {info.num_params / 1e6:.0f}M params, "
-                   f"{info.quantization}, {_fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
+                   f"{info.quantization}, {fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
         click.echo(f"BLAS: {_blas.loaded or 'bundled'}", err=True)
         click.echo(llm.engine.describe(), err=True)
     use_template = not no_chat_template and getattr(llm.tokenizer, "chat_template", None)

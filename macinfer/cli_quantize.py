@@ -12,14 +12,9 @@ from pathlib import Path
 import click
 
 from macinfer.errors import MacinferError
+from macinfer.units import fmt_bytes  # noqa: F401  (evaluate and bench_quantize import it from here)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 class StageProgress:

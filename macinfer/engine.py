@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from macinfer.block_pool import BlockPool
 from macinfer.errors import MacinferError
+from macinfer.units import fmt_bytes
 from macinfer.model_runner import ModelRunner
 from macinfer.outputs import RequestOutput, StreamDelta
 from macinfer.paged_cache import inspect_model, supports_batched_offsets
@@ -58,14 +59,6 @@ def parse_memory(value: int | float | str) -> int:
     if n <= 0:
         raise MacinferError(f"the KV memory budget must be positive, got {value}")
     return n
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 @dataclass
@@ -185,8 +178,8 @@ class LLMEngine:
             num_blocks = min(self.kv_budget, useful) // self.bytes_per_block
             if num_blocks < 2:
                 raise MacinferError(
-                    f"a KV budget of {_fmt_bytes(self.kv_budget)} holds no {bs}-token block "
-                    f"({_fmt_bytes(self.bytes_per_block)} each): raise kv_memory")
+                    f"a KV budget of {fmt_bytes(self.kv_budget, binary=True)} holds no {bs}-token block "
+                    f"({fmt_bytes(self.bytes_per_block, binary=True)} each): raise kv_memory")
         self.block_pool = BlockPool(num_blocks, bs)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
@@ -216,9 +209,9 @@ class LLMEngine:
         """One line: the KV budget and what it buys."""
         windows = sorted({s.window for s in self.specs if s.window})
         return (
-            f"KV cache: {_fmt_bytes(self.runner.kv_bytes)} of a {_fmt_bytes(self.kv_budget)} budget -> "
+            f"KV cache: {fmt_bytes(self.runner.kv_bytes, binary=True)} of a {fmt_bytes(self.kv_budget, binary=True)} budget -> "
             f"{self.block_pool.num_usable_blocks} blocks x {self.block_size} tokens = {self.num_tokens_capacity} tokens "
-            f"({_fmt_bytes(self.bytes_per_token)}/token, {len(self.specs)} layers"
+            f"({fmt_bytes(self.bytes_per_token, binary=True)}/token, {len(self.specs)} layers"
             + (f", sliding windows {windows}" if windows else "") + f"); "
             f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step; "
             f"attention: {self.attention_backend}"
@@ -273,7 +266,7 @@ class LLMEngine:
         if self.block_pool.num_blocks_for(len(ids)) > self.block_pool.num_usable_blocks:
             raise MacinferError(
                 f"the prompt is {len(ids)} tokens but the KV cache holds {self.num_tokens_capacity} "
-                f"({_fmt_bytes(self.kv_budget)}): raise kv_memory")
+                f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
         request_id = request_id or uuid.uuid4().hex[:12]
         if request_id in self.requests:
             raise MacinferError(f"request id {request_id!r} is already in use")

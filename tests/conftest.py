@@ -31,3 +31,20 @@ def tiny_models(tmp_path_factory):
         return built[key]
 
     return get
+
+
+_mlx_lm_models = {}
+
+
+@pytest.fixture
+def load(tiny_models):
+    """mlx_lm.load of a tiny model, once per session: load("qwen2", seed=1) -> (model, tokenizer)."""
+    import mlx_lm
+
+    def get(arch: str = "llama", **kw):
+        path = str(tiny_models(arch, **kw))
+        if path not in _mlx_lm_models:
+            _mlx_lm_models[path] = mlx_lm.load(path)
+        return _mlx_lm_models[path]
+
+    return get

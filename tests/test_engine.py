@@ -20,20 +20,6 @@ from macinfer.errors import MacinferError
 from macinfer.paged_cache import inspect_model
 from macinfer.sampling import SamplingParams
 
-_loaded = {}
-
-
-@pytest.fixture
-def load(tiny_models):
-    def get(arch="llama", **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in _loaded:
-            _loaded[key] = mlx_lm.load(str(tiny_models(arch, **kw)))
-        return _loaded[key]
-
-    return get
-
-
 def oracle(model, prompt, max_tokens, eos=()):
     """Greedy tokens from mlx-lm alone, cut at the first EOS (which is not output)."""
     out = []

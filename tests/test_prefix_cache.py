@@ -8,7 +8,6 @@ import shutil
 import warnings
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 
 from macinfer.block_pool import BlockPool
@@ -157,20 +156,6 @@ def test_blocks_from_the_persistent_tier_extend_memory_hits():
 
 
 # -- the engine -------------------------------------------------------------------------
-_loaded = {}
-
-
-@pytest.fixture
-def load(tiny_models):
-    def get(arch="llama", **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in _loaded:
-            _loaded[key] = mlx_lm.load(str(tiny_models(arch, **kw)))
-        return _loaded[key]
-
-    return get
-
-
 def engine_for(model, tok, **kw):
     opts = dict(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
     return LLMEngine(model, tok, None, **{**opts, **kw})

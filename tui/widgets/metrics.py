@@ -13,19 +13,14 @@ from textual.containers import VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
+from macinfer import units
 from tui.messages import ModelCard, Stats
 
 NA, UNSET = "n/a", "-"
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return UNSET
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+    return UNSET if n is None else units.fmt_bytes(n)
 
 
 def fmt_params(n: int) -> str:
