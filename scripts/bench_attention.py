@@ -68,6 +68,10 @@ def main(argv=None):
                    help="default: float16 with Metal, float32 without (half is emulated on x86)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--contiguous", action="store_true", help="blocks in order instead of shuffled")
+    p.add_argument("--e2e", metavar="MODEL", help="also time end-to-end decode tok/s of MODEL (needs a context "
+                   "of at least the longest --e2e-contexts; default on Metal: smollm2-135m at 8k only)")
+    p.add_argument("--e2e-contexts", default="8192,32768")
+    p.add_argument("--e2e-tokens", type=int, default=16, help="decode tokens timed per context")
     a = p.parse_args(argv)
 
     import macinfer  # noqa: F401  (OpenBLAS before mlx)
@@ -108,6 +112,50 @@ def main(argv=None):
             row += f" {ker:>10.3f} {gb / ker * 1e3:>10.1f} {ker * a.layers:>13.2f} {ker / ref:>10.2f}x"
         print(row, flush=True)
         del args
+
+    model = a.e2e or ("smollm2-135m" if metal else None)
+    if model is None:
+        print("end-to-end decode: skipped (no Metal; pass --e2e MODEL to time the reference path anyway)")
+    else:
+        end_to_end(model, [int(c) for c in a.e2e_contexts.split(",")], a.e2e_tokens,
+                   ["reference", "metal"] if kernel else ["reference"])
+
+
+def end_to_end(spec, contexts, n_tokens, backends):
+    """Decode tok/s of a whole model at long contexts, one engine per attention backend.
+
+    The context is a random prompt prefilled once per backend (slow on a CPU host:
+    prefill is the expensive part); only the decode steps after it are timed.
+    """
+    import random
+    import time
+
+    from macinfer.engine import LLMEngine
+    from macinfer.loader import load_model
+    from macinfer.sampling import SamplingParams
+
+    model, tok, info = load_model(spec)
+    print(f"end-to-end decode, {info.name} ({info.quantization}), {n_tokens} tokens after the context")
+    for ctx in contexts:
+        if ctx + n_tokens >= info.context_length:
+            print(f"  {ctx:>6} tokens: beyond {info.name}'s context of {info.context_length}; skipped")
+            continue
+        prompt = [random.Random(ctx).randrange(info.config.get("vocab_size", 1000)) for _ in range(ctx)]
+        rates = {}
+        for backend in backends:
+            engine = LLMEngine(model, tok, info, attention=backend, max_num_seqs=1, enable_prefix_cache=False,
+                               max_num_batched_tokens=2048, max_model_len=ctx + n_tokens + 1)
+            engine.add_request(prompt, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
+            start = None
+            while engine.has_unfinished():
+                for d in engine.step():
+                    if start is None and d.token_ids:
+                        start = time.perf_counter()  # first token out: prefill done
+            rates[backend] = (n_tokens - 1) / (time.perf_counter() - start)
+        line = "   ".join(f"{b} {r:.1f} tok/s" for b, r in rates.items())
+        if "metal" in rates:
+            line += f"   metal/reference {rates['metal'] / rates['reference']:.2f}x"
+        print(f"  {ctx:>6} tokens: {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def bench_engines(model_spec, repeats, tokens, dequantize):
     llm = LLM(model_spec, dequantize=dequantize, enable_prefix_cache=False)
     ids = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    # Warm-up (the first forward of a process is slower): not measured.
+    llm.generate([ids], SamplingParams(max_tokens=2))
     rows = {"macinfer": [], "mlx-lm": []}
     for _ in range(repeats):
         out = llm.generate([ids], params)[0]
