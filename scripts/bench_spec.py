@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
 
 from macinfer.engine import LLMEngine  # noqa: E402
 from macinfer.sampling import SamplingParams  # noqa: E402

@@ -2,7 +2,6 @@
 disconnects abort and free blocks, every bad request is a 4xx and the server keeps serving."""
 
 import asyncio
-import json
 import time
 
 import httpx2 as httpx

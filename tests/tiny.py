@@ -85,7 +85,6 @@ def build_tiny_model(
     (a flat random model repeats itself, which would make equality tests weak).
     """
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
