@@ -506,7 +506,24 @@ def test_bench_script_runs_without_metal(capsys):
     bench.main(["--contexts", "64,100", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "no Metal" in out and "timing the reference path only" in out
-    assert [line.split()[0] for line in out.splitlines()[-2:]] == ["64", "100"]
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines[-3:-1]] == ["64", "100"]
+    assert lines[-1].startswith("end-to-end decode: skipped (no Metal")
+
+
+def test_bench_script_end_to_end_decode(capsys, tiny_models):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--contexts", "64", "--repeats", "1", "--e2e", str(tiny_models("llama")),
+                "--e2e-contexts", "100,600", "--e2e-tokens", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split()[:2] == ["100", "tokens:"] and "reference" in lines[-2] and "tok/s" in lines[-2]
+    assert "beyond" in lines[-1] and "skipped" in lines[-1]  # 600 > the tiny model's 512-token context
 
 
 def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models):
