@@ -57,12 +57,20 @@ def number(figure: str) -> float:
 
 
 @pytest.fixture
+def paced(monkeypatch):
+    """A tiny model on a quiet machine writes a whole reply between two UI refreshes
+    (text arrives at 10 Hz): pace engine steps so streaming and cancelling are observable."""
+    step = ChatBackend.step
+    monkeypatch.setattr(ChatBackend, "step", lambda self: (time.sleep(0.02), step(self))[1])
+
+
+@pytest.fixture
 def tiny(tiny_models):
     return str(tiny_models("llama"))
 
 
 @pytest.mark.anyio
-async def test_streamed_reply_metrics_and_history(tiny):
+async def test_streamed_reply_metrics_and_history(tiny, paced):
     app = ChatApp(tiny, peak_bandwidth=100, max_tokens=48)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
@@ -93,11 +101,7 @@ async def test_streamed_reply_metrics_and_history(tiny):
 
 
 @pytest.mark.anyio
-async def test_escape_cancels_and_frees_every_block(tiny, monkeypatch):
-    # A tiny model on a quiet machine writes 400 tokens faster than the pilot looks:
-    # slow each engine step down so there is a reply in progress to cancel.
-    step = ChatBackend.step
-    monkeypatch.setattr(ChatBackend, "step", lambda self: (time.sleep(0.02), step(self))[1])
+async def test_escape_cancels_and_frees_every_block(tiny, paced):
     app = ChatApp(tiny, peak_bandwidth=100, max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
