@@ -258,36 +258,30 @@ class ChatScreen(Screen):
         await self._notice("conversation cleared" + (" (system prompt kept)" if self.session.system else ""))
 
     async def cmd_temp(self, arg: str) -> None:
-        if not arg:
-            await self._notice(f"temperature {self.session.temperature:g}")
-            return
-        try:
-            t = float(arg)
-        except ValueError:
-            raise ValueError(f"expected a number, got '{arg}'") from None
-        old, self.session.temperature = self.session.temperature, t
-        try:
-            self.session.params()
-        except ValueError:
-            self.session.temperature = old
-            raise
-        await self._notice(f"temperature {t:g}" + (" (greedy)" if t == 0 else ""))
+        await self._set_session_value("temperature", arg, float, "a number", "temperature {:g}",
+                                      note=lambda t: " (greedy)" if t == 0 else "")
 
     async def cmd_max_tokens(self, arg: str) -> None:
+        await self._set_session_value("max_tokens", arg, int, "a whole number", "max tokens {}")
+
+    async def _set_session_value(self, attr: str, arg: str, parse, kind: str, shown: str,
+                                 note=lambda value: "") -> None:
+        """Show a sampling setting, or set it if SamplingParams accepts the new value (else keep the old)."""
         if not arg:
-            await self._notice(f"max tokens {self.session.max_tokens}")
+            await self._notice(shown.format(getattr(self.session, attr)))
             return
         try:
-            n = int(arg)
+            value = parse(arg)
         except ValueError:
-            raise ValueError(f"expected a whole number, got '{arg}'") from None
-        old, self.session.max_tokens = self.session.max_tokens, n
+            raise ValueError(f"expected {kind}, got '{arg}'") from None
+        old = getattr(self.session, attr)
+        setattr(self.session, attr, value)
         try:
             self.session.params()
         except ValueError:
-            self.session.max_tokens = old
+            setattr(self.session, attr, old)
             raise
-        await self._notice(f"max tokens {n}")
+        await self._notice(shown.format(value) + note(value))
 
     async def _toggle(self, option: str, label: str, arg: str) -> None:
         current = getattr(self.card, option, None) if self.card else None
