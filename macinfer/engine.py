@@ -10,6 +10,18 @@ A step is: schedule -> run the model -> append tokens, check stops -> free the
 finished (nano-vllm's shape). The engine is single-threaded: one thread owns it
 and calls step(); other threads hand it requests through that thread.
 
+Async scheduling (vLLM's name for it; mlx-lm's generate_step does the same for one
+stream): while every running sequence is plainly decoding, step n+1 is built from
+step n's sampled ids while they are still being computed, and queued with
+mx.async_eval before step n's ids are read back. Building a forward costs a few ms
+of Python per step; this way it overlaps the model's compute instead of adding to
+it, and so do the caller's handling of the deltas and detokenising. Stops are
+therefore seen one step late: a sequence that finished at step n also computed one
+row in step n+1, which is dropped (its K/V slot lies past the sequence's end and
+its blocks are freed as usual). Anything else (admitting a request, a prefill
+chunk, drafts, too few free blocks) first reads back the step in flight, then runs
+a plain synchronous step.
+
 KV budget: `kv_memory` (bytes or "2GB"; binary units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
@@ -62,6 +74,14 @@ def parse_memory(value: int | float | str) -> int:
 
 
 @dataclass
+class _InFlight:
+    """A decode step queued with mx.async_eval whose sampled ids are not read back yet."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # (B,) lazy sampled ids, one per seq
+
+
+@dataclass
 class EngineConfig:
     """Engine options (what `LLM(model, **engine_options)` and the CLI pass).
 
@@ -91,6 +111,8 @@ class EngineConfig:
         kv_group_size: quantisation group along head_dim (default 32).
         attention: "auto" (the fused Metal kernel if it passes its start-up check
             against the reference, else the reference), "metal" or "reference".
+        async_scheduling: overlap building each decode step with the previous
+            step's compute (module docstring); outputs are the same either way.
     """
 
     kv_memory: int | str | None = None
@@ -110,6 +132,7 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int | None = None
     attention: str = "auto"
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -197,6 +220,7 @@ class LLMEngine:
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
+        self._inflight: _InFlight | None = None  # a launched decode step not yet read back
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -286,7 +310,7 @@ class LLMEngine:
         self._pending.append(self._finish(seq))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
@@ -297,6 +321,15 @@ class LLMEngine:
             finished ones carry `output`, the whole RequestOutput).
         """
         deltas, self._pending = self._pending, []
+        if self._inflight is None:
+            rows = self._decode_rows(None)
+            if rows:
+                self._inflight = self._launch(rows, None)
+        if self._inflight is not None:
+            prev = self._inflight
+            rows = self._decode_rows(prev)
+            self._inflight = self._launch(rows, prev) if rows else None
+            return deltas + self._resolve(prev)
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
@@ -320,6 +353,65 @@ class LLMEngine:
                     deltas.append(delta)
         if self.spec is not None:  # accepted drafts count as computed now; acceptance, costs
             self.spec.update_from_output(out.scheduled, tokens, time.perf_counter() - t0)
+        return deltas
+
+    # -- async scheduling ---------------------------------------------------------------
+    def _decode_rows(self, prev: _InFlight | None) -> list[Sequence]:
+        """The sequences the next step can decode without reading anything back, or [].
+
+        Pipelining only covers the steady state: every running sequence decoding, nobody
+        waiting to be admitted, no drafts, a free slot for each row without preempting.
+        With a step in flight, a sequence whose pending token is its last (max_tokens)
+        is left out: it is certain to finish.
+        """
+        running = self.scheduler.running
+        if (not self.config.async_scheduling or self.spec is not None or self.scheduler.waiting
+                or not running or (len(running) > 1 and not self.runner.batch_decode)):
+            return []
+        if prev is None:
+            if any(s.num_uncomputed_tokens != 1 for s in running):
+                return []
+            rows = list(running)
+        else:
+            launched = {id(s) for s in prev.seqs}
+            if any(id(s) not in launched for s in running):
+                return []
+            rows = [s for s in running if s.num_output_tokens + 1 < s.max_tokens]
+        pool = self.block_pool
+        if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
+            return []
+        return rows
+
+    def _launch(self, rows: list[Sequence], prev: _InFlight | None) -> _InFlight:
+        """Queue a decode step for rows; their input ids are prev's lazy outputs."""
+        if prev is None:
+            tokens = mx.array([s.token_ids[-1] for s in rows], dtype=mx.uint32)
+        else:
+            index = {id(s): i for i, s in enumerate(prev.seqs)}
+            idx = [index[id(s)] for s in rows]
+            tokens = prev.tokens if idx == list(range(len(prev.seqs))) else prev.tokens[mx.array(idx)]
+        now = time.perf_counter()
+        for s in rows:
+            ok = self.block_pool.allocate_slots(s, 1)
+            assert ok, s  # _decode_rows counted the free blocks
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+        sampled = self.runner.launch_decode(rows, tokens)
+        for s in rows:
+            s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
+        return _InFlight(rows, sampled)
+
+    def _resolve(self, step: _InFlight) -> list[StreamDelta]:
+        """Read a launched step's tokens back and process them like a synchronous step."""
+        deltas = []
+        for seq, tok in zip(step.seqs, step.tokens.tolist()):
+            if seq.is_finished:  # stopped a step earlier, or aborted: the row is dropped
+                continue
+            delta = self._process_token(seq, tok)
+            if delta is not None:
+                deltas.append(delta)
+            if not seq.is_finished:
+                self.block_pool.cache_full_blocks(seq)  # now that its token ids are known
         return deltas
 
     def _process_token(self, seq: Sequence, tok: int) -> StreamDelta | None:

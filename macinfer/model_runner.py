@@ -84,19 +84,47 @@ class ModelRunner:
             slots += [0] * (L - n)
             last.append(n - 1)
             starts.append(start)
-        c = self.ctx
-        c.offsets = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
-        c.block_tables = [r.seq.block_table for r in rows]
-        c.context_lens = [s + L for s in starts]
-        c.slot_blocks = mx.array(blocks, dtype=mx.int32)
-        c.slot_offsets = mx.array(slots, dtype=mx.int32)
-        c.memo = {}
+        self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
         logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self.caches)  # (B, L, V)
         if all_logits:
             return logits
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
         return logits[mx.arange(len(rows)), mx.array(last)]
+
+    def _set_context(self, starts: list[int], L: int, tables: list[list[int]], blocks: list[int],
+                     slots: list[int]) -> None:
+        """Per-forward metadata every layer's cache reads (rows of L tokens from starts)."""
+        c = self.ctx
+        c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
+        c.block_tables = tables
+        c.context_lens = [s + L for s in starts]
+        c.slot_blocks = mx.array(blocks, dtype=mx.int32)
+        c.slot_offsets = mx.array(slots, dtype=mx.int32)
+        c.memo = {}
+
+    def launch_decode(self, seqs: list, tokens: mx.array) -> mx.array:
+        """Async scheduling: queue one decode row per sequence without waiting for anything.
+
+        Each seq computes the token at position seq.num_computed_tokens (its slot is
+        allocated); `tokens` (B,) are the input ids, usually the previous step's sampled
+        ids, still lazy. The graph is built now and handed to mx.async_eval, so the host
+        can resolve the previous step (and build the next one) while this one computes,
+        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,).
+        """
+        bs = self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        self._set_context(starts, 1, [s.block_table for s in seqs],
+                          [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
+        logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
+        if all(s.sampler.params.greedy for s in seqs):
+            sampled = mx.argmax(logits, axis=-1)
+        else:
+            sampled = mx.concatenate([mx.argmax(logits[j: j + 1], axis=-1) if s.sampler.params.greedy
+                                      else s.sampler(logits[j: j + 1]) for j, s in enumerate(seqs)])
+        # The pools too: each forward's K/V writes must be queued before the next is built on them.
+        mx.async_eval(sampled, [c.state for c in self.caches])
+        return sampled
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
         """Rows per forward: all 1-token rows together; chunks batched while padding stays small.

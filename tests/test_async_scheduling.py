@@ -1,0 +1,105 @@
+"""Async scheduling: decode step n+1 is queued before step n's tokens are read back.
+
+The engine must behave exactly as with async_scheduling=False (and as mlx-lm alone)
+although it learns of stops one step late: the extra row of a finished sequence is
+dropped, its blocks still come back, and blocks are hashed for the prefix cache only
+once their tokens are known.
+"""
+
+from __future__ import annotations
+
+import random
+
+from macinfer.engine import LLMEngine
+from macinfer.sampling import SamplingParams
+from test_engine import assert_all_free, oracle, run
+
+
+def _spy_launches(engine):
+    calls = []
+    launch = engine.runner.launch_decode
+
+    def spy(seqs, tokens):
+        calls.append(len(seqs))
+        return launch(seqs, tokens)
+
+    engine.runner.launch_decode = spy
+    return calls
+
+
+def _workload(model, vocab):
+    """Requests that stop by EOS-like stop ids, stop strings, length, and abort mid-decode."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 19, 8, 11, 30, 7)]
+    stop_at = oracle(model, prompts[1], 40)[0]
+    i = next(k for k in range(6, len(stop_at)) if stop_at[k] not in stop_at[:k])
+    greedy = dict(ignore_eos=True)
+    arrivals = [
+        (0, prompts[0], SamplingParams(max_tokens=40, **greedy), "long"),
+        (0, prompts[1], SamplingParams(max_tokens=40, stop_token_ids=[stop_at[i]], **greedy), "stopid"),
+        (0, prompts[2], SamplingParams(max_tokens=7, **greedy), "short"),
+        (0, prompts[3], SamplingParams(temperature=0.8, seed=5, max_tokens=30, **greedy), "sampled"),
+        (12, prompts[4], SamplingParams(max_tokens=15, **greedy), "late"),  # arrives mid-decode
+        (0, prompts[5], SamplingParams(max_tokens=40, **greedy), "aborted"),
+    ]
+    return arrivals, [(20, "aborted")], i
+
+
+def test_async_equals_sync_and_mlx_lm(load):
+    model, tok = load("llama")
+    arrivals, aborts, stop_index = _workload(model, model.args.vocab_size)
+    results = {}
+    for mode in (True, False):
+        engine = LLMEngine(model, tok, None, num_blocks=80, block_size=4, max_num_batched_tokens=16,
+                           max_num_seqs=8, async_scheduling=mode)
+        launches = _spy_launches(engine)
+        results[mode] = run(engine, arrivals, aborts)
+        assert_all_free(engine)
+        if mode:  # the steady state really ran ahead, in batches, not one row at a time
+            assert len(launches) > 30 and max(launches) >= 4
+        else:
+            assert launches == []
+    on, off = results[True], results[False]
+    assert on.keys() == off.keys() == {a[3] for a in arrivals}
+    for rid in on:
+        assert on[rid][0].token_ids == off[rid][0].token_ids, rid
+        assert on[rid][0].finish_reason == off[rid][0].finish_reason, rid
+        assert on[rid][1] == on[rid][0].token_ids  # streamed == final
+    for _, prompt, params, rid in arrivals:
+        if params.greedy and rid != "aborted":
+            want = oracle(model, prompt, params.max_tokens)[0]
+            if rid == "stopid":
+                want = want[:stop_index]
+            assert on[rid][0].token_ids == want, rid
+    assert on["stopid"][0].finish_reason == "stop" and on["short"][0].finish_reason == "length"
+    assert on["aborted"][0].finish_reason == "abort" and 0 < len(on["aborted"][0].token_ids) < 40
+
+
+def test_stop_string_one_step_late_is_not_leaked(load):
+    model, tok = load("llama")
+    prompt = [12, 40, 7, 7, 91, 3]
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4)
+    full = run(engine, [(0, prompt, SamplingParams(max_tokens=30, ignore_eos=True), "f")])["f"][0]
+    k = next(k for k in range(len(full.text) // 3, len(full.text) - 3) if "\ufffd" not in full.text[k: k + 3])
+    stop = full.text[k: k + 3]
+    calls = _spy_launches(engine)
+    out = run(engine, [(0, prompt, SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True), "s")])["s"]
+    assert out[0].text == full.text[: full.text.find(stop)] and out[0].finish_reason == "stop"
+    assert calls, "never pipelined"
+    assert_all_free(engine)
+
+
+def test_blocks_decoded_ahead_are_hashed_for_the_prefix_cache(load):
+    model, tok = load("qwen3")
+    prompt = [5, 9, 14, 3, 77, 21, 8]
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4)
+    calls = _spy_launches(engine)
+    first = run(engine, [(0, prompt, SamplingParams(max_tokens=21, ignore_eos=True), "a")])["a"][0]
+    assert len(calls) >= 15
+    # Prompt + output spans 28 tokens = 7 full blocks, all computed by pipelined steps
+    # except the prompt's; a follow-up turn must hit every one the first request finished.
+    follow = prompt + first.token_ids + [42, 43]
+    second = run(engine, [(0, follow, SamplingParams(max_tokens=6, ignore_eos=True), "b")])["b"][0]
+    assert second.metrics.cached_tokens == 24  # 6 full blocks computed; the 7th holds the last token
+    assert second.token_ids == oracle(model, follow, 6)[0]
+    assert_all_free(engine)
