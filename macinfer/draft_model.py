@@ -11,6 +11,14 @@ Two kinds of draft directory load here:
   Hugging Face repo id (whatever ``macinfer.loader`` accepts). Its tokenizer vocabulary must equal
   the target's, token for token.
 
+An embedding-less draft may also carry a **vocabulary-subset head** (``"head_vocab": N`` in
+``macinfer_draft`` and the N kept token ids as ``macinfer.head_ids`` in its safetensors): its
+logits are computed only for those N tokens (the target's embedding rows for them, copied once)
+and every other token gets -inf. A small draft's cost is mostly its lm_head (SmolLM2: 49,152 x 576,
+twice the four layers' weights), and the tokens a chat model actually emits are a few thousand;
+a draft can never propose the others, which only ever costs acceptance, never exactness
+(the verifier samples from max(0, p - q) with q exactly what the draft drew from).
+
 Either mismatch is a one-line ``MacinferError``. On hosts without Metal, half-precision
 parameters are cast to float32 (and a quantised full draft is dequantised by default): the CPU
 backend emulates float16 and its quantised matmul is slow (see PLATFORM.md).
@@ -92,6 +100,31 @@ def _is_embeddingless(path: Path) -> bool:
     return (cfg.get("macinfer_draft") or {}).get("embedding") == "target"
 
 
+class SubsetHead:
+    """lm_head over a subset of the vocabulary: (..., D) -> full-width (..., V) logits, -inf elsewhere.
+
+    Args:
+        embed: the target's (tied) embedding, Embedding or QuantizedEmbedding.
+        ids: the kept token ids (int32).
+        vocab: the full vocabulary size V.
+    """
+
+    def __init__(self, embed, ids, vocab: int):
+        import mlx.core as mx
+
+        self.ids = ids.astype(mx.int32)
+        self.weight = embed(self.ids)  # (N, D) dequantised rows, a copy: 8,192 rows x 576 = 19 MB in float32
+        self.vocab = vocab
+
+    def __call__(self, h):
+        import mlx.core as mx
+
+        sub = h @ self.weight.T
+        full = mx.full((*h.shape[:-1], self.vocab), -mx.inf, dtype=sub.dtype)
+        full[..., self.ids] = sub
+        return full
+
+
 def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: bool | None = None):
     import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_load_model
@@ -134,12 +167,73 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
         draft = dequantize_model(draft)
     # Share the target's embedding (and head, if untied) instead of holding a copy.
     draft.model.embed_tokens = embed
-    if head is not None:
+    head_vocab = (cfg.get("macinfer_draft") or {}).get("head_vocab")
+    if head_vocab:
+        if head is not None:
+            raise MacinferError(f"draft {name} has a subset head of the tied embedding but the target's lm_head is untied")
+        ids = next((mx.load(str(f)).get("macinfer.head_ids") for f in path.glob("model*.safetensors")), None)
+        if ids is None or ids.size != head_vocab or int(ids.max()) >= rows:
+            raise MacinferError(f"draft {name}: its head token ids are missing or out of range: rebuild the draft")
+    elif head is not None:
         draft.args.tie_word_embeddings = False
         draft.lm_head = head
     _cast_for_cpu(draft)
+    if head_vocab:  # after the cast: the copied rows come out of the (possibly float16) embedding
+        draft.args.tie_word_embeddings = False
+        # Not an nn.Module: it stays a plain attribute, outside draft.parameters().
+        draft.lm_head = SubsetHead(embed, ids, rows)
+        if not mx.metal.is_available() and draft.lm_head.weight.dtype != mx.float32:
+            draft.lm_head.weight = draft.lm_head.weight.astype(mx.float32)
+        mx.eval(draft.lm_head.weight)
     mx.eval(draft.parameters())
     return draft
+
+
+def save_draft(draft, config: dict, out: Path, *, head_ids=None, bits: int = 8, group_size: int = 64) -> int:
+    """Write an embedding-less draft directory that `load_draft` reads back; return its bytes.
+
+    Args:
+        draft: an mlx-lm model whose embedding is the target's (it is not written).
+        config: its config.json, with ``"macinfer_draft": {"embedding": "target", ...}``
+            (and ``"head_vocab": len(head_ids)`` for a subset head).
+        head_ids: the token ids of a SubsetHead, or None for the tied full head.
+        bits, group_size: linear weights are stored mlx-affine-quantised (float16 scales and
+            biases) so four SmolLM2 layers fit in ~15 MB; 0 bits keeps them float16. Norms are
+            float16. `load_draft` dequantises to float32 where there is no Metal.
+    """
+    import os
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for k, v in tree_flatten(draft.parameters()):
+        if "embed_tokens" in k:
+            continue
+        if bits and v.ndim == 2 and k.endswith(".weight"):
+            wq, sc, bi = mx.quantize(v.astype(mx.float32), group_size=group_size, bits=bits)
+            base = k[: -len(".weight")]
+            weights[k] = wq
+            weights[base + ".scales"] = sc.astype(mx.float16)
+            weights[base + ".biases"] = bi.astype(mx.float16)
+        else:
+            weights[k] = v.astype(mx.float16)
+    if head_ids is not None:
+        weights["macinfer.head_ids"] = mx.array(head_ids, dtype=mx.int32)
+    config = dict(config)
+    if bits:
+        config["quantization"] = config["quantization_config"] = {"group_size": group_size, "bits": bits}
+    else:
+        config.pop("quantization", None), config.pop("quantization_config", None)
+    tmp = out / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    os.replace(tmp, out / "model.safetensors")
+    tmp = out / "config.tmp.json"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / "config.json")
+    return sum((out / f).stat().st_size for f in ("model.safetensors", "config.json"))
 
 
 def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool | None = None):

@@ -16,15 +16,18 @@ What it does (every stage is seeded, so a rerun reproduces the data and the draf
 
 2. ``train``: the draft is an mlx-lm llama model with ``--layers`` transformer layers initialised
    from those layers of the target (default 0,1,2,29), the target's final norm, and the target's
-   embedding as a frozen, tied input embedding and lm_head. Only the layers and the norm train
-   (Adam, cosine decay, float32), on a soft cross-entropy to the target's top-16 distribution
-   plus a hard cross-entropy to the target's greedy token (continuation positions weight 1,
-   prompt positions 0.25). Every ``--eval-every`` steps the exact greedy speculative acceptance
+   embedding as a frozen input embedding. Its lm_head is the target's embedding restricted to
+   ``--head-vocab`` tokens (default 8,192: the special and byte tokens, then the tokens most
+   frequent in the training continuations, then the lowest ids; see macinfer.draft_model's
+   SubsetHead): a full 49,152-row head would cost twice the four layers per draft token. Only the
+   layers and the norm train (Adam, cosine decay, float32), on a soft cross-entropy to the
+   target's top-16 distribution plus a hard cross-entropy to the target's greedy token, softmax
+   over the kept tokens (continuation positions weight 1, prompt positions 0.25). Every ``--eval-every`` steps the exact greedy speculative acceptance
    at k=4 is measured on the held-out prompts (see ``simulate_acceptance``); the best draft so
    far is written to ``--out`` each time it improves, so an interrupted run leaves a usable one.
 
 3. The draft is saved WITHOUT the embedding (it is the target's): ``model.safetensors`` with the
-   trained layers + norm in float16, ``config.json`` (llama, num_hidden_layers = layer count,
+   trained layers (8-bit) + norm (float16) and the kept head token ids, ``config.json`` (llama, num_hidden_layers = layer count,
    target's vocab/hidden/heads, ``macinfer_draft`` block naming the target and the source
    layers), ``README.md``. ``macinfer.draft_model.load_draft`` puts it back together.
 
@@ -377,7 +380,7 @@ def load_shards(prefix: str, max_new: int | None = None):
 # ----------------------------------------------------------------------------------------------
 
 
-def draft_config(target_config: dict, layers: list[int]) -> dict:
+def draft_config(target_config: dict, layers: list[int], head_vocab: int = 0) -> dict:
     cfg = {k: v for k, v in target_config.items() if k not in ("quantization", "quantization_config")}
     cfg["num_hidden_layers"] = len(layers)
     cfg.pop("layer_types", None)
@@ -389,16 +392,39 @@ def draft_config(target_config: dict, layers: list[int]) -> dict:
         "embedding": "target",  # embed_tokens (and the tied lm_head) come from the target
         "source_layers": layers,
     }
+    if head_vocab:
+        cfg["macinfer_draft"]["head_vocab"] = head_vocab  # ids in model.safetensors
     return cfg
 
 
-def build_draft(target, target_config: dict, layers: list[int]):
+def choose_head_ids(train_seqs, vocab: int, n: int) -> list[int]:
+    """The n tokens the draft can propose: ids < 512 (special and byte tokens), then the most
+    frequent tokens of the training continuations, then the lowest remaining ids (BPE ids
+    roughly follow merge order, i.e. corpus frequency). Sorted."""
+    import numpy as np
+
+    counts = np.zeros(vocab, np.int64)
+    for tok, n_p, *_ in train_seqs:
+        np.add.at(counts, tok[n_p:], 1)
+    keep = list(range(min(512, n)))
+    chosen = set(keep)
+    for t in np.argsort(-counts, kind="stable"):
+        if len(keep) >= n or counts[t] == 0:
+            break
+        if int(t) not in chosen:
+            keep.append(int(t))
+            chosen.add(int(t))
+    keep += [t for t in range(vocab) if t not in chosen][: n - len(keep)]
+    return sorted(keep)
+
+
+def build_draft(target, target_config: dict, layers: list[int], head_vocab: int = 0):
     """A llama model with `layers` copied from the target, sharing its embedding array."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    cfg = draft_config(target_config, layers)
+    cfg = draft_config(target_config, layers, head_vocab)
     model_cls, args_cls = _get_classes(cfg)
     draft = model_cls(args_cls.from_dict(cfg))
     weights = [("model.embed_tokens.weight", target.model.embed_tokens.weight),
@@ -412,52 +438,32 @@ def build_draft(target, target_config: dict, layers: list[int]):
     return draft, cfg
 
 
-def save_draft(draft, cfg: dict, out: Path, meta: dict, bits: int = 8, group_size: int = 64) -> int:
-    """Write layers + norm (no embedding), config.json and README.md; return bytes on disk.
+def save_draft(draft, cfg: dict, out: Path, meta: dict, head_ids=None) -> int:
+    """Write the draft (macinfer.draft_model.save_draft: 8-bit layers, no embedding) and its README."""
+    from macinfer.draft_model import save_draft as save
 
-    Linear weights are stored as mlx affine-quantised ``bits``-bit (group ``group_size``, float16
-    scales/biases) so four layers fit in ~15 MB; norms as float16. ``load_draft`` dequantises to
-    float32 on hosts without Metal (keeps the quantised layers on Metal).
-    """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {}
-    for k, v in tree_flatten(draft.parameters()):
-        if "embed_tokens" in k:
-            continue
-        if bits and v.ndim == 2 and k.endswith(".weight"):
-            wq, sc, bi = mx.quantize(v.astype(mx.float32), group_size=group_size, bits=bits)
-            base = k[: -len(".weight")]
-            weights[k] = wq
-            weights[base + ".scales"] = sc.astype(mx.float16)
-            weights[base + ".biases"] = bi.astype(mx.float16)
-        else:
-            weights[k] = v.astype(mx.float16)
-    cfg = dict(cfg)
-    if bits:
-        cfg["quantization"] = cfg["quantization_config"] = {"group_size": group_size, "bits": bits}
-    tmp = out / "model.tmp.safetensors"
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    size = save(draft, cfg, out, head_ids=head_ids)
     (out / "README.md").write_text(readme(cfg, meta))
-    return sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return size + (out / "README.md").stat().st_size
 
 
 def readme(cfg: dict, meta: dict) -> str:
     layers = cfg["macinfer_draft"]["source_layers"]
     acc = meta.get("acceptance", {})
+    n_head = cfg["macinfer_draft"].get("head_vocab")
+    head = (f"; the head covers only {n_head:,} of the {cfg['vocab_size']:,} tokens (the target's embedding rows "
+            "for them: the special and byte tokens and the ones the target emits most), so a draft token "
+            "costs the four layers plus a sixth of the full head" if n_head else "")
+    ids = " and the head's token ids" if n_head else ""
     return f"""# smollm2-135m-draft
 
 A speculative-decoding draft for the embedded SmolLM2-135M-Instruct (macinfer's default model).
 
 - **What**: an mlx-lm `llama` model with {len(layers)} transformer layers (hidden 576, 9 heads / 3 KV
   heads, MLP 1536) and the target's final norm. It has **no embedding of its own**: the input
-  embedding and the tied lm_head are the target's (so the tokenizer is the target's by
-  construction). `model.safetensors` holds only the {meta.get('n_trainable', '?'):,} trained parameters
-  (linear weights 8-bit affine, group 64; norms float16).
+  embedding and the lm_head are the target's (so the tokenizer is the target's by
+  construction){head}. `model.safetensors` holds only the {meta.get('n_trainable', '?'):,} trained parameters
+  (linear weights 8-bit affine, group 64; norms float16){ids}.
   Load it with `macinfer.draft_model.load_draft("smollm2-135m", target_model, target_tokenizer)`
   (casts to float32 on hosts without Metal).
 - **How**: `scripts/train_draft.py` (seeded, reproducible). Layers initialised from target layers
@@ -561,7 +567,7 @@ def draft_agreement(draft, seqs, batch: int = 8):
         if getattr(draft.args, "tie_word_embeddings", True):
             logits = draft.model.embed_tokens.as_linear(hs)
         else:
-            logits = draft.lm_head(hs)
+            logits = draft.lm_head(hs)  # a SubsetHead gives full-width logits, -inf off its tokens
         pred = np.array(mx.argmax(logits, axis=-1))
         off = 0
         for tok, n_p, _, _ in chunk:
@@ -590,54 +596,59 @@ def cmd_train(args):
     mx.random.seed(SEED)
     model, tokenizer, info = load_target()
     target_config = json.loads((Path(info.path) / "config.json").read_text())
-    if args.init:  # continue from a saved draft (its layers; 8-bit weights dequantised)
-        from macinfer.draft_model import load_draft
+    from macinfer.draft_model import SubsetHead, load_draft
 
-        draft = load_draft(Path(args.init), model, tokenizer)
-        draft.model.embed_tokens.freeze()
-        saved = json.loads((Path(args.init) / "config.json").read_text())
-        layers = saved["macinfer_draft"]["source_layers"]
-        cfg = draft_config(target_config, layers)
-    else:
-        layers = [int(v) for v in args.layers.split(",")]
-        draft, cfg = build_draft(model, target_config, layers)
-    del model
     held = load_shards("heldout")
     train = load_shards("train")
     if not train or not held:
         sys.exit("no data: run `python scripts/train_draft.py data` first")
+    vocab = model.model.embed_tokens.weight.shape[0]
+    if args.init:  # continue from a saved draft (its layers and head; 8-bit weights dequantised)
+        draft = load_draft(Path(args.init), model, tokenizer)
+        draft.model.embed_tokens.freeze()
+        saved = json.loads((Path(args.init) / "config.json").read_text())
+        layers = saved["macinfer_draft"]["source_layers"]
+        head_ids = (np.array(draft.lm_head.ids).tolist() if isinstance(getattr(draft, "lm_head", None), SubsetHead)
+                    else list(range(vocab)))
+        cfg = draft_config(target_config, layers, len(head_ids) if len(head_ids) < vocab else 0)
+    else:
+        layers = [int(v) for v in args.layers.split(",")]
+        head_ids = choose_head_ids(train, vocab, args.head_vocab) if args.head_vocab else list(range(vocab))
+        draft, cfg = build_draft(model, target_config, layers, len(head_ids) if len(head_ids) < vocab else 0)
+        draft.args.tie_word_embeddings = False
+        draft.lm_head = SubsetHead(draft.model.embed_tokens, mx.array(head_ids), vocab)
+    del model
+    head_w = draft.lm_head.weight  # (N, D), frozen: the target's embedding rows
+    pos_of = np.full(vocab, -1, np.int64)
+    pos_of[head_ids] = np.arange(len(head_ids))
+    save_ids = head_ids if len(head_ids) < vocab else None
     n_tok = sum(len(t) - 1 for t, *_ in train)
     n_trainable = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
-    print(f"[train] layers {layers}, {n_trainable:,} trainable params; {len(train)} train seqs "
+    cont = np.concatenate([t[n_p:] for t, n_p, *_ in train])
+    print(f"[train] layers {layers}, {n_trainable:,} trainable params, head over {len(head_ids):,} tokens "
+          f"({(pos_of[cont] >= 0).mean():.1%} of training continuation tokens); {len(train)} train seqs "
           f"({n_tok:,} positions), {len(held)} held-out", flush=True)
     held = held[: args.eval_prompts]
     base = evaluate(draft, held)
     print(f"[train] before training: {base}", flush=True)
 
-    embed_w = draft.model.embed_tokens.weight  # frozen, tied head
-    vocab = embed_w.shape[0]
-
-    def loss_fn(m, x, cand, ti, tl, w):
-        # Candidate-set softmax: the logits are taken over the union of the target's top-k
-        # tokens in this batch plus random negatives, not all 49k rows (the full lm_head would
-        # dominate the cost of a small draft ~10x). The loss is the cross-entropy to the
-        # target's top-k distribution within that set (+ hard CE to the target's greedy token).
+    def loss_fn(m, x, ti, tl, w, hard_ok):
+        # Softmax over the head's tokens (what the draft can propose); the target's top-k
+        # labels outside them carry no weight (tl = -1e4), the hard label only if it is inside.
         h = m.model(x)
-        logits = h @ embed_w[cand].T
+        logits = h @ head_w.T
         lse = mx.logsumexp(logits, axis=-1, keepdims=True)
         lp = mx.take_along_axis(logits, ti, axis=-1) - lse
         p = mx.exp(tl)
         soft = -(p * lp).sum(-1)
-        hard = -lp[..., 0]
+        hard = -lp[..., 0] * hard_ok
         per = soft + args.hard_weight * hard
         return (per * w).sum() / w.sum()
 
-    def candidates(ti):
-        neg = np_rng.integers(0, vocab, args.negatives)
-        cand = np.unique(np.concatenate([ti.reshape(-1), neg]))
-        return cand.astype(np.int32), np.searchsorted(cand, ti).astype(np.int32)
-
-    np_rng = np.random.default_rng(SEED)
+    def to_head(ti, tl):
+        pos = pos_of[ti]
+        missing = pos < 0
+        return np.where(missing, 0, pos).astype(np.int32), np.where(missing, -1e4, tl), (~missing[..., 0]).astype(np.float32)
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     rng = random.Random(SEED)
     batches = make_batches(train, args.batch_tokens, rng, args.prompt_weight)
@@ -663,8 +674,8 @@ def cmd_train(args):
     deadline = t0 + args.minutes * 60
     while time.time() < deadline and step < est_steps:
         for x, ti, tl, w in batches:
-            cand, ti_c = candidates(ti)
-            loss, grads = loss_and_grad(draft, mx.array(x), mx.array(cand), mx.array(ti_c), mx.array(tl), mx.array(w))
+            ti_h, tl_h, hard_ok = to_head(ti, tl)
+            loss, grads = loss_and_grad(draft, mx.array(x), mx.array(ti_h), mx.array(tl_h), mx.array(w), mx.array(hard_ok))
             opt.update(draft, grads)
             mx.eval(loss, draft.parameters(), opt.state)
             step += 1
@@ -680,7 +691,7 @@ def cmd_train(args):
                     best = ev["acceptance"]
                     meta.update(acceptance=ev, steps=prior_steps + step,
                                 train_minutes=round(prior_minutes + (time.time() - t0) / 60, 1))
-                    size = save_draft(draft, cfg, out, meta)
+                    size = save_draft(draft, cfg, out, meta, save_ids)
                     (out / "train_meta.json").write_text(json.dumps(meta, indent=2, default=float) + "\n")
                     print(f"[save] {out} ({size / 1e6:.1f} MB), acceptance {best:.3f}", flush=True)
             if time.time() >= deadline or step >= est_steps:
@@ -718,7 +729,8 @@ def main():
     ap.add_argument("--prompt-weight", type=float, default=0.25)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts scored during training")
-    ap.add_argument("--negatives", type=int, default=1024, help="random negative tokens per batch")
+    ap.add_argument("--head-vocab", type=int, default=8192,
+                    help="tokens the draft's head covers (0: the whole vocabulary)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args()
     if args.stage == "prompts":

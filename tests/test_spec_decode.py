@@ -10,6 +10,7 @@ follow the target's exact distribution (chi-square on the first two tokens).
 
 from __future__ import annotations
 
+import json
 import math
 
 import mlx.core as mx
@@ -32,12 +33,12 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models):
+def models(tiny_models, tmp_path_factory):
     target_path, other_path = tiny_models("llama"), tiny_models("llama", seed=1)
     model, tok = mlx_lm.load(str(target_path))
     prompts = [tok.encode(t) for t in TEXTS]
     want = [mlx_lm_greedy(target_path, p, MAX_TOKENS) for p in prompts]
-    return {"target": target_path, "other": other_path, "model": model, "tok": tok, "prompts": prompts, "want": want}
+    return {"tmp": tmp_path_factory.mktemp("spec"), "target": target_path, "other": other_path, "model": model, "tok": tok, "prompts": prompts, "want": want}
 
 
 class ScriptedDrafter:
@@ -64,7 +65,26 @@ class ScriptedDrafter:
         pass
 
 
+def subset_draft(m, out, keep, noise: float = 0.0):
+    """An embedding-less draft of the target (optionally perturbed) whose head covers only `keep`."""
+    from mlx.utils import tree_map
+
+    from macinfer.draft_model import save_draft
+
+    draft, _ = mlx_lm.load(str(m["target"]))
+    if noise:
+        key = mx.random.key(7)
+        draft.update(tree_map(lambda w: w + noise * mx.random.normal(w.shape, key=key) if w.ndim > 1 else w,
+                              draft.parameters()))
+    cfg = json.loads((m["target"] / "config.json").read_text())
+    cfg["macinfer_draft"] = {"target": "tiny", "embedding": "target", "head_vocab": len(keep)}
+    save_draft(draft, cfg, out, head_ids=sorted(keep), bits=0)
+    return str(out)
+
+
 def make_draft(kind, m):
+    if kind == "subset":  # the target's own layers, a head over the even token ids only
+        return subset_draft(m, m["tmp"] / "subset-draft", range(0, m["model"].args.vocab_size, 2))
     if kind == "same":
         return str(m["target"])  # loaded through macinfer.draft_model.load_draft
     if kind == "other":
@@ -100,7 +120,7 @@ def assert_all_free(engine):
     assert engine.requests == {}
 
 
-@pytest.mark.parametrize("kind", ["same", "other", "right", "wrong"])
+@pytest.mark.parametrize("kind", ["same", "other", "right", "wrong", "subset"])
 def test_greedy_equals_mlx_lm(models, kind):
     m = models
     engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=40,
@@ -118,6 +138,9 @@ def test_greedy_equals_mlx_lm(models, kind):
         assert drafted > 0 and accepted == drafted
     if kind == "wrong":
         assert drafted > 0 and accepted == 0
+    if kind == "subset":  # right exactly where the target's token is one the head covers
+        odd = sum(t % 2 for w in m["want"] for t in w)
+        assert drafted > 0 and 0 < accepted < drafted and odd > 0
     assert_all_free(engine)
 
 
@@ -192,7 +215,7 @@ def chi2_pvalue(observed, expected):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("kind", ["model", "top"])
+@pytest.mark.parametrize("kind", ["model", "top", "subset"])
 def test_sampled_tokens_follow_the_target(models, kind):
     """First three sampled tokens (top-3, temperature 1) against the target's exact joint distribution.
 
@@ -218,6 +241,10 @@ def test_sampled_tokens_follow_the_target(models, kind):
         a = int(p[()].argmax())
         b = int(p[(a,)].argmax())
         draft = ScriptedDrafter([prompt], [[a, b, int(p[(a, b)].argmax())]], right=True, vocab=0)
+    elif kind == "subset":  # q is 0 on part of p's support: the residual max(0, p - q) must make up for it
+        a = int(p[()].argmax())
+        drop = {int(np.argsort(-p[()])[1]), int(p[(a,)].argmax())}
+        draft = subset_draft(m, m["tmp"] / "subset-noisy", set(range(model.args.vocab_size)) - drop, noise=0.05)
     else:
         draft, _ = mlx_lm.load(str(m["target"]))
         noise = mx.random.key(7)
@@ -225,7 +252,7 @@ def test_sampled_tokens_follow_the_target(models, kind):
                               draft.parameters()))
     engine = LLMEngine(model, m["tok"], None, max_model_len=64, block_size=4, num_blocks=900, max_num_seqs=64,
                        draft=draft, num_speculative_tokens=2, adaptive_speculation=False)
-    n = 1500 if kind == "model" else 1000
+    n = 1000 if kind == "top" else 1500
     for i in range(n):
         engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=i))
     counts, drafted, accepted = {}, 0, 0
