@@ -77,17 +77,21 @@ def engine_decode_tps(engine, prompt, n) -> float:
 
 
 def bench_single(name, model, tok, info, n, reps) -> float:
+    """mlx-lm vs the engine, with async scheduling (the default) and without, interleaved."""
     engine = LLMEngine(model, tok, info, kv_memory="256MB", max_model_len=2048)
+    sync = LLMEngine(model, tok, info, kv_memory="256MB", max_model_len=2048, async_scheduling=False)
     prompt = prompts_for(tok, 1)[0]
-    engine_decode_tps(engine, prompt, 4)  # warm-up both
+    for e in (engine, sync):  # warm-up all three
+        engine_decode_tps(e, prompt, 4)
     mlx_lm_decode_tps(model, prompt, 4)
-    a, b = [], []
+    a, b, c = [], [], []
     for _ in range(reps):
         a.append(mlx_lm_decode_tps(model, prompt, n))
         b.append(engine_decode_tps(engine, prompt, n))
-    ra, rb = statistics.median(a), statistics.median(b)
+        c.append(engine_decode_tps(sync, prompt, n))
+    ra, rb, rc = statistics.median(a), statistics.median(b), statistics.median(c)
     print(f"  {name:28s} mlx-lm {ra:8.1f} tok/s   macinfer {rb:8.1f} tok/s   ratio {rb / ra:5.2f}"
-          f"   (median of {reps}, {n} tokens)")
+          f"   (without async scheduling {rc:8.1f} tok/s, {rc / ra:5.2f}; median of {reps}, {n} tokens)")
     return rb / ra
 
 
@@ -141,7 +145,7 @@ def bench_memory(model, tok, context_len: int):
     # Block accounting does not depend on what the model computes: a stub runner
     # (every row samples token 7) makes this section take seconds, not minutes.
     engine = LLMEngine(model, tok, None, kv_memory="64MB", block_size=16, max_num_seqs=64,
-                       max_num_batched_tokens=4096, max_model_len=context_len)
+                       max_num_batched_tokens=4096, max_model_len=context_len, async_scheduling=False)
     engine.runner = StubRunner()
     for _ in range(48):
         engine.add_request([rng.randrange(3, 300) for _ in range(rng.randrange(20, 600))],
@@ -160,7 +164,7 @@ def bench_memory(model, tok, context_len: int):
     # How many 2k-token sequences run at once in one fixed budget?
     budget = 64 << 20
     engine = LLMEngine(model, tok, None, kv_memory=budget, block_size=16, max_num_seqs=256,
-                       max_num_batched_tokens=1 << 16, max_model_len=context_len)
+                       max_num_batched_tokens=1 << 16, max_model_len=context_len, async_scheduling=False)
     engine.runner = StubRunner()
     for _ in range(200):
         engine.add_request([rng.randrange(3, 300) for _ in range(2000)], SamplingParams(max_tokens=48, ignore_eos=True))
@@ -178,7 +182,10 @@ def bench_memory(model, tok, context_len: int):
 
 # -- 4. Python overhead -------------------------------------------------------------------
 class StubRunner:
-    """Stands in for the model: returns token 7 for every sampling row, no MLX work."""
+    """Stands in for the model: returns token 7 for every sampling row, no MLX work.
+
+    The engines using it run synchronously: async scheduling needs lazy MLX tokens.
+    """
 
     kv_bytes = 0
 
@@ -187,7 +194,7 @@ class StubRunner:
 
 
 def bench_overhead(model, tok, batch=32, steps=200):
-    engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=batch)
+    engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=batch, async_scheduling=False)
     engine.runner = StubRunner()
     for i in range(batch):
         engine.add_request([5 + i] * 100, SamplingParams(max_tokens=steps + 10, ignore_eos=True))
