@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from macinfer.errors import MacinferError
-from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask
+from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, token_rows
 
 SUPPORTED_BITS = (4, 8)
 
@@ -75,10 +75,9 @@ class QuantizedPagedKVCache(PagedKVCache):
     # attention is always dispatched to `self.attention` by the patched sdpa first.
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, H, L, _ = keys.shape  # (B, n_kv_heads, L, head_dim)
         c = self.ctx
         for pools, x, g in ((self.k_q, keys, self.kg), (self.v_q, values, self.vg)):
-            rows = x.transpose(0, 2, 1, 3).reshape(B * L, H, -1)  # (T, H, D)
+            rows = token_rows(x)  # (T, H, D)
             for pool, part in zip(pools, mx.quantize(rows, group_size=g, bits=self.kv_bits)):
                 pool[c.slot_blocks, c.slot_offsets] = part
         return keys, values

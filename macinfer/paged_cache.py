@@ -77,6 +77,16 @@ class ForwardContext:
                                scale=scale, window=window, sinks=sinks, memo=memo)
 
 
+def token_rows(x: mx.array) -> mx.array:
+    """(B, H, L, D) K or V -> (B * L, H, D), one row per token as the pools store them.
+
+    A decode (L = 1) needs no transpose: on the CPU backend every op costs dispatch time
+    whatever its size, and this runs twice per layer per step.
+    """
+    B, H, L, D = x.shape
+    return x.reshape(B, H, D) if L == 1 else x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+
+
 @dataclass
 class LayerSpec:
     """What the probe learnt about one attention layer."""
@@ -106,12 +116,11 @@ class PagedKVCache:
         return self.ctx.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, H, L, _ = keys.shape  # (B, n_kv_heads, L, head_dim)
         c = self.ctx
         # NOTE: item assignment is an in-place scatter as long as nothing else holds
         # the previous pool array, so a step writes T rows, not the whole pool.
-        self.k_pool[c.slot_blocks, c.slot_offsets] = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
-        self.v_pool[c.slot_blocks, c.slot_offsets] = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
+        self.k_pool[c.slot_blocks, c.slot_offsets] = token_rows(keys)
+        self.v_pool[c.slot_blocks, c.slot_offsets] = token_rows(values)
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

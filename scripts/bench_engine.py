@@ -3,8 +3,8 @@
 Every figure is a ratio to a baseline measured in the same run, runs of the two
 sides interleaved (the dev machines are shared and noisy; PLATFORM.md):
 
-  1. single stream decode tok/s: macinfer vs mlx_lm generate_step (what
-     stream_generate runs), on a tiny model and on the embedded default;
+  1. single stream decode tok/s: macinfer vs mlx_lm.stream_generate, on a tiny
+     model and on the embedded default (with and without async scheduling);
   2. aggregate throughput at 1/4/16/32 concurrent requests vs mlx-lm's
      BatchGenerator on the same prompts (float32 weights: on a CPU host batching
      only pays with float32 + OpenBLAS, see PLATFORM.md);
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
+from mlx_lm.generate import BatchGenerator, stream_generate  # noqa: E402
 
 from macinfer.engine import LLMEngine  # noqa: E402
 from macinfer.sampling import SamplingParams  # noqa: E402
@@ -60,9 +60,10 @@ def prompts_for(tok, n: int) -> list[list[int]]:
 
 
 # -- 1. single stream -----------------------------------------------------------------
-def mlx_lm_decode_tps(model, prompt, n) -> float:
+def mlx_lm_decode_tps(model, tok, prompt, n) -> float:
+    """mlx_lm.stream_generate (the issue's baseline: it detokenises and streams, as we do)."""
     stamps = []
-    for _ in generate_step(mx.array(prompt), model, max_tokens=n):
+    for _ in stream_generate(model, tok, prompt, max_tokens=n):
         stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
@@ -83,10 +84,10 @@ def bench_single(name, model, tok, info, n, reps) -> float:
     prompt = prompts_for(tok, 1)[0]
     for e in (engine, sync):  # warm-up all three
         engine_decode_tps(e, prompt, 4)
-    mlx_lm_decode_tps(model, prompt, 4)
+    mlx_lm_decode_tps(model, tok, prompt, 4)
     a, b, c = [], [], []
     for _ in range(reps):
-        a.append(mlx_lm_decode_tps(model, prompt, n))
+        a.append(mlx_lm_decode_tps(model, tok, prompt, n))
         b.append(engine_decode_tps(engine, prompt, n))
         c.append(engine_decode_tps(sync, prompt, n))
     ra, rb, rc = statistics.median(a), statistics.median(b), statistics.median(c)

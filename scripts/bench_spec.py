@@ -37,20 +37,18 @@ CHAT = [
     "Give me three tips for staying focused while studying.",
     "Explain what a hash table is to a beginner.",
 ]
-CODE = '''Fix the typo in this Python function and return the whole corrected code, nothing else.
+# A code edit whose answer repeats the input (SmolLM2-135M does copy this one; asked to fix a
+# typo in a longer function it rewrites the body instead, and there is nothing to look up).
+CODE = '''Rename the variable `x` to `count` in this code and show the full result.
 
-def moving_average(values, window):
-    if window <= 0:
-        raise ValueError("window must be positive")
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        if i + 1 >= window:
-            out.append(total / windwo)
-    return out
+x = 0
+for item in items:
+    if item.is_valid():
+        x = x + 1
+    else:
+        print("skipping", item.name)
+print("valid items:", x)
+print("invalid items:", len(items) - x)
 '''
 RANDOM = "Continue this list of random words: zebra quantum velvet 7 orbit mango 42 tundra flux cobalt"
 
@@ -111,7 +109,8 @@ def main():
     greedy = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
     cases = [(f"chat {i + 1}", chat_ids(tok, t), greedy) for i, t in enumerate(CHAT[:1] if args.quick else CHAT)]
-    cases += [("code edit", chat_ids(tok, CODE), SamplingParams(max_tokens=2 * args.tokens, ignore_eos=True)),
+    # The edit stops at EOS: past its answer the model would ramble on, which is not an edit.
+    cases += [("code edit", chat_ids(tok, CODE), SamplingParams(max_tokens=2 * args.tokens)),
               ("random (T=1)", chat_ids(tok, RANDOM), sampled)]
     for e in engines.values():  # warm-up (compilation of shapes, BLAS threads)
         run_engine(e, [cases[0][1]], SamplingParams(max_tokens=4))
