@@ -86,10 +86,12 @@ def bench_single(name, model, tok, info, n, reps) -> float:
         engine_decode_tps(e, prompt, 4)
     mlx_lm_decode_tps(model, tok, prompt, 4)
     a, b, c = [], [], []
-    for _ in range(reps):
-        a.append(mlx_lm_decode_tps(model, tok, prompt, n))
-        b.append(engine_decode_tps(engine, prompt, n))
-        c.append(engine_decode_tps(sync, prompt, n))
+    runs = [lambda: a.append(mlx_lm_decode_tps(model, tok, prompt, n)),
+            lambda: b.append(engine_decode_tps(engine, prompt, n)),
+            lambda: c.append(engine_decode_tps(sync, prompt, n))]
+    for r in range(reps):  # rotate who goes first: the CPU's speed drifts over a run
+        for run in runs[r % 3:] + runs[: r % 3]:
+            run()
     ra, rb, rc = statistics.median(a), statistics.median(b), statistics.median(c)
     print(f"  {name:28s} mlx-lm {ra:8.1f} tok/s   macinfer {rb:8.1f} tok/s   ratio {rb / ra:5.2f}"
           f"   (without async scheduling {rc:8.1f} tok/s, {rc / ra:5.2f}; median of {reps}, {n} tokens)")
@@ -122,7 +124,9 @@ def engine_throughput(engine, prompts, n) -> float:
     return produced / (time.perf_counter() - t0)
 
 
-def bench_throughput(name, model, tok, info, n, levels) -> dict:
+def bench_throughput(name, model, tok, info, n, levels, reps: int = 1) -> dict:
+    """Medians over reps, the two sides alternating which goes first (this CPU speeds up and
+    slows down over a run; whoever always ran second would be favoured)."""
     engine = LLMEngine(model, tok, info, kv_memory="512MB", max_model_len=2048, max_num_seqs=max(levels))
     print(f"  {name}: {engine.describe()}")
     engine_throughput(engine, prompts_for(tok, 2), 2)  # warm-up
@@ -130,10 +134,18 @@ def bench_throughput(name, model, tok, info, n, levels) -> dict:
     ratios = {}
     for c in levels:
         prompts = prompts_for(tok, c)
-        a = batchgen_throughput(model, prompts, n)
-        b = engine_throughput(engine, prompts, n)
-        ratios[c] = b / a
-        print(f"  {c:3d} requests  BatchGenerator {a:8.1f} tok/s   macinfer {b:8.1f} tok/s   ratio {b / a:5.2f}")
+        a, b = [], []
+        for r in range(reps):
+            if r % 2:
+                b.append(engine_throughput(engine, prompts, n))
+                a.append(batchgen_throughput(model, prompts, n))
+            else:
+                a.append(batchgen_throughput(model, prompts, n))
+                b.append(engine_throughput(engine, prompts, n))
+        ma, mb = statistics.median(a), statistics.median(b)
+        ratios[c] = mb / ma
+        spread = f"  (ratios per rep {', '.join(f'{y / x:.2f}' for x, y in zip(a, b))})" if reps > 1 else ""
+        print(f"  {c:3d} requests  BatchGenerator {ma:8.1f} tok/s   macinfer {mb:8.1f} tok/s   ratio {mb / ma:5.2f}{spread}")
     return ratios
 
 
@@ -226,7 +238,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny model only")
     ap.add_argument("--tokens", type=int, default=24, help="generated tokens per request")
     ap.add_argument("--concurrency", default="1,4,16,32")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per measurement (medians)")
+    ap.add_argument("--skip-tiny", action="store_true", help="only the embedded model")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
@@ -248,14 +261,16 @@ def main():
 
     print(f"mlx {mx.__version__}, metal={mx.metal.is_available()}")
     print("\n1. Single stream decode (target ratio >= 1.0)")
-    bench_single("tiny llama (256 x 4 layers)", tiny, tiny_tok, None, 200, args.reps)
+    if not args.skip_tiny:
+        bench_single("tiny llama (256 x 4 layers)", tiny, tiny_tok, None, 200, args.reps)
     if default:
         bench_single(f"{default[2].name} float32", *default, args.tokens, args.reps)
 
     print("\n2. Aggregate throughput, all requests at once (target >= 1.2x at 16)")
-    bench_throughput("tiny llama", tiny, tiny_tok, None, 64, levels)
+    if not args.skip_tiny:
+        bench_throughput("tiny llama", tiny, tiny_tok, None, 64, levels, args.reps)
     if default:
-        bench_throughput(f"{default[2].name} float32", *default, args.tokens, levels)
+        bench_throughput(f"{default[2].name} float32", *default, args.tokens, levels, args.reps)
 
     print("\n3. KV memory (target waste < 4%, >= 3x the sequences of contiguous allocation)")
     bench_memory(tiny, tiny_tok, context_len=8192)

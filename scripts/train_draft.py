@@ -455,6 +455,9 @@ def readme(cfg: dict, meta: dict) -> str:
             "for them: the special and byte tokens and the ones the target emits most), so a draft token "
             "costs the four layers plus a sixth of the full head" if n_head else "")
     ids = " and the head's token ids" if n_head else ""
+    by_k = "; by k: " + ", ".join(f"k = {k}: {v:.3f}" for k, v in acc["by_k"].items()) if acc.get("by_k") else ""
+    if acc.get("top1") is not None:
+        by_k += f"; top-1 agreement with the target {acc['top1']:.3f}"
     return f"""# smollm2-135m-draft
 
 A speculative-decoding draft for the embedded SmolLM2-135M-Instruct (macinfer's default model).
@@ -470,14 +473,14 @@ A speculative-decoding draft for the embedded SmolLM2-135M-Instruct (macinfer's 
   {layers}; trained to match the target's next-token distribution (top-{TOPK} soft cross-entropy
   + hard cross-entropy on the target's greedy token) on the target's own chat continuations:
   {meta.get('n_train_seqs', '?')} sequences / {meta.get('n_train_tokens', '?'):,} labelled positions from
-  {meta.get('n_train_prompts', '?')} templated chat prompts (greedy and temperature-0.7
+  {meta.get('n_train_prompts', '?')} templated chat prompts ({meta.get('continuations', 'greedy')}
   continuations of up to {meta.get('max_new', '?')} tokens, prompt positions down-weighted).
   Adam, lr {meta.get('lr', '?')}, cosine decay, {meta.get('steps', '?')} steps, float32, {meta.get('train_minutes', '?')} min on a 2-core x86 CPU.
 - **Measured acceptance** (`python scripts/eval_draft.py`): on {acc.get('n_prompts', '?')} held-out chat prompts
   (topics never trained on), greedy decoding, k = 4 drafted tokens per step:
   mean acceptance **{acc.get('acceptance', float('nan')):.3f}** per drafted token,
   **{acc.get('tokens_per_step', float('nan')):.2f}** tokens per target step
-  (untrained truncated-layer drafts: 0.02-0.04).
+  (untrained truncated-layer drafts: 0.02-0.04){by_k}.
 """
 
 
@@ -664,7 +667,8 @@ def cmd_train(args):
     best = base["acceptance"]
     meta = {"n_trainable": n_trainable, "n_train_seqs": len(train), "n_train_tokens": n_tok,
             "n_train_prompts": len({tuple(t[:n_p]) for t, n_p, *_ in train}), "lr": args.lr,
-            "max_new": args.max_new}
+            "max_new": args.max_new,
+            "continuations": "greedy and temperature-0.7" if any(CACHE.glob("train-t07-*.npz")) else "greedy"}
     out = Path(args.out)
     prior_steps, prior_minutes = 0, 0.0
     if args.init and (Path(args.init) / "train_meta.json").exists():
