@@ -221,6 +221,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back
+        self._last_resolve: float | None = None  # when the previous queued step was read back
+        self._draft_next = False  # a queued step was judged worth drafting after: do not queue the next
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -329,7 +331,13 @@ class LLMEngine:
             prev = self._inflight
             rows = self._decode_rows(prev)
             self._inflight = self._launch(rows, prev) if rows else None
-            return deltas + self._resolve(prev)
+            deltas += self._resolve(prev)
+            if self.spec is not None:
+                now = time.perf_counter()
+                self.spec.skip_step(self.scheduler.running, len(prev.seqs),
+                                    now - self._last_resolve if self._last_resolve else None)
+                self._last_resolve = now if self._inflight is not None else None
+            return deltas
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
@@ -365,7 +373,7 @@ class LLMEngine:
         is left out: it is certain to finish.
         """
         running = self.scheduler.running
-        if (not self.config.async_scheduling or self.spec is not None or self.scheduler.waiting
+        if (not self.config.async_scheduling or self.scheduler.waiting
                 or not running or (len(running) > 1 and not self.runner.batch_decode)):
             return []
         if prev is None:
@@ -380,6 +388,14 @@ class LLMEngine:
         pool = self.block_pool
         if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
             return []
+        if self.spec is not None and rows:
+            if prev is None and self._draft_next:
+                self._draft_next = False  # the step that follows a "worth drafting" plan drafts
+                return []
+            if self.spec.plan_k(rows, pending=prev is not None) > 0:
+                # Worth drafting: that needs the pending tokens read back, then a synchronous step.
+                self._draft_next = prev is not None
+                return []
         return rows
 
     def _launch(self, rows: list[Sequence], prev: _InFlight | None) -> _InFlight:

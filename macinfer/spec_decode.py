@@ -196,9 +196,8 @@ class SpecDecoder:
         return best_k
 
     # -- the step ---------------------------------------------------------------------
-    def propose(self, running: list[Sequence]) -> None:
-        """Draft tokens for the decode rows among running (sets seq.spec_token_ids)."""
-        t0 = time.perf_counter()
+    def _tick(self, running: list[Sequence]) -> None:
+        """Once per step: forget finished requests, decay the acceptance counts."""
         live = {s.request_id for s in running}
         for rid in [r for r in self.acceptance if r not in live]:
             self.remove(rid)
@@ -207,6 +206,34 @@ class SpecDecoder:
             a.tried *= self.DECAY
         self.pooled.accepted = self.POOL_DECAY * self.pooled.accepted + (1 - self.POOL_DECAY) * 0.5
         self.pooled.tried = self.POOL_DECAY * self.pooled.tried + (1 - self.POOL_DECAY)
+
+    def plan_k(self, seqs: list[Sequence], pending: bool) -> int:
+        """The K the next step would draft for these decode rows, without drafting anything.
+
+        The engine asks before it queues a step asynchronously (which cannot draft: drafts
+        need the previous step's token). With a step still in flight (pending), that token
+        is unknown, so the drafter's offer is judged on the tokens known so far; any K keeps
+        the output exact, so a stale guess only costs speed.
+        """
+        if not self.adaptive:
+            return self.max_k
+        last = 2 if pending else 1  # a row never drafts past its max_tokens
+        caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
+        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
+        return self.choose_k([self.alpha(s.request_id) for s in seqs], offers)
+
+    def skip_step(self, running: list[Sequence], num_rows: int, seconds: float | None) -> None:
+        """A step ran without drafts, queued asynchronously: age the counts as propose would,
+        and learn its cost (wall time between two such steps, which is what K = 0 costs)."""
+        self._tick(running)
+        self.last_k = 0
+        if seconds:
+            self.step_cost.observe(num_rows, seconds)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Draft tokens for the decode rows among running (sets seq.spec_token_ids)."""
+        t0 = time.perf_counter()
+        self._tick(running)
 
         decodes = []
         for seq in running:

@@ -103,3 +103,27 @@ def test_blocks_decoded_ahead_are_hashed_for_the_prefix_cache(load):
     assert second.metrics.cached_tokens == 24  # 6 full blocks computed; the 7th holds the last token
     assert second.token_ids == oracle(model, follow, 6)[0]
     assert_all_free(engine)
+
+
+def test_adaptive_speculation_queues_ahead_when_it_would_not_draft(load):
+    """Drafting needs the previous token (a synchronous step); steps the adaptive choice would
+    not draft in run asynchronously. Both kinds interleave and the output stays mlx-lm's."""
+    from test_spec_decode import ScriptedDrafter
+
+    model, tok = load("llama")
+    prompts = [[7, 19, 3, 44, 12], [90, 4, 4, 61, 8, 30, 2]]
+    want = [oracle(model, p, 30)[0] for p in prompts]
+
+    class Sometimes(ScriptedDrafter):  # right, but has something to offer only now and then
+        def available(self, seq, k):
+            return k if seq.num_tokens % 6 in (0, 1) else 0
+
+    drafter = Sometimes(prompts, want, right=True, vocab=model.args.vocab_size)
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, draft=drafter, num_speculative_tokens=3)
+    launches = _spy_launches(engine)
+    out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
+    for i, w in enumerate(want):
+        assert out[f"r{i}"][0].token_ids == w, i
+    drafted = sum(o.metrics.draft_tokens for o, _ in out.values())
+    assert launches and drafted > 0  # both: queued-ahead plain steps and synchronous drafting steps
+    assert_all_free(engine)
