@@ -223,6 +223,9 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back
         self._last_resolve: float | None = None  # when the previous queued step was read back
         self._draft_next = False  # a queued step was judged worth drafting after: do not queue the next
+        # Plans judged on stale tokens can be wrong (an n-gram match that the pending token
+        # breaks); each plan that ends in no drafts doubles how many steps go unplanned.
+        self._plan_backoff, self._plan_penalty, self._planned = 0, 1, False
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -341,6 +344,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
+            if self._planned:
+                self._planned = False
+                if self.spec.last_k:
+                    self._plan_penalty = 1
+                else:  # a synchronous step for nothing: plan less often for a while
+                    self._plan_backoff = self._plan_penalty
+                    self._plan_penalty = min(2 * self._plan_penalty, 64)
         out = self.scheduler.schedule()
         for seq in out.finished:  # could not fit in the KV cache any more
             deltas.append(self._finish(seq))
@@ -391,8 +401,11 @@ class LLMEngine:
         if self.spec is not None and rows:
             if prev is None and self._draft_next:
                 self._draft_next = False  # the step that follows a "worth drafting" plan drafts
+                self._planned = True
                 return []
-            if self.spec.plan_k(rows, pending=prev is not None) > 0:
+            if self._plan_backoff > 0:
+                self._plan_backoff -= 1
+            elif self.spec.plan_k(rows, pending=prev is not None) > 0:
                 # Worth drafting: that needs the pending tokens read back, then a synchronous step.
                 self._draft_next = prev is not None
                 return []

@@ -20,6 +20,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--quick", action="store_true", help="one chat prompt, no mlx-lm, no batch")
     ap.add_argument("--k", type=int, default=5, help="macinfer's most drafts per step (adaptive below it)")
+    ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     args = ap.parse_args()
     model, tok, info, draft = load()
     opts = dict(kv_memory="192MB", max_num_seqs=8, enable_prefix_cache=False, num_speculative_tokens=args.k)
@@ -115,23 +117,27 @@ def main():
     for e in engines.values():  # warm-up (compilation of shapes, BLAS threads)
         run_engine(e, [cases[0][1]], SamplingParams(max_tokens=4))
 
-    print(f"SmolLM2-135M float32, {args.tokens} tokens/request, macinfer k <= {args.k} (adaptive), "
+    print(f"SmolLM2-135M float32, {args.tokens} tokens/request, medians of {args.reps}, macinfer k <= {args.k} (adaptive), "
           f"mlx-lm k = 3 (fixed); decode tok/s and speed-up over plain decode of the same engine")
     print(f"{'prompt':14} {'plain':>7} {'ngram':>14} {'draft':>14} {'acc n/d':>10} | {'mlx-lm':>7} {'mlx-lm+draft':>14}  same")
     for name, ids, params in cases:
-        res = {}
-        for key, e in engines.items():
-            (out,), _ = run_engine(e, [ids], params)
-            res[key] = out
-        tps = {k: o.metrics.decode_tps for k, o in res.items()}
+        res, runs = {}, {k: [] for k in engines}
+        for r in range(args.reps):  # rotate which engine goes first: this CPU's speed drifts
+            keys = list(engines)[r % 3:] + list(engines)[: r % 3]
+            for key in keys:
+                (out,), _ = run_engine(engines[key], [ids], params)
+                res[key] = out
+                runs[key].append(out.metrics.decode_tps)
+        tps = {k: statistics.median(v) for k, v in runs.items()}
         acc = "/".join("-" if res[k].metrics.acceptance_rate is None else f"{res[k].metrics.acceptance_rate:.2f}"
                        for k in ("ngram", "draft"))
         same = params.greedy and res["plain"].token_ids == res["ngram"].token_ids == res["draft"].token_ids
         line = (f"{name:14} {tps['plain']:7.1f} {tps['ngram']:7.1f} ({tps['ngram'] / tps['plain']:.2f}x) "
                 f"{tps['draft']:7.1f} ({tps['draft'] / tps['plain']:.2f}x) {acc:>10} |")
         if not args.quick:
-            base, _ = mlx_lm_tps(model, tok, ids, params.max_tokens)
-            spec, _ = mlx_lm_tps(model, tok, ids, params.max_tokens, draft=draft)
+            base = statistics.median([mlx_lm_tps(model, tok, ids, params.max_tokens)[0] for _ in range(args.reps)])
+            spec = statistics.median([mlx_lm_tps(model, tok, ids, params.max_tokens, draft=draft)[0]
+                                      for _ in range(args.reps)])
             line += f" {base:7.1f} {spec:7.1f} ({spec / base:.2f}x)"
         print(line + f"  {'yes' if same else ('n/a' if not params.greedy else 'NO')}", flush=True)
 
