@@ -312,6 +312,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.abort(request_id)
+        if self.spec is not None:
+            self.spec.remove(request_id)
         self._pending.append(self._finish(seq))
 
     def has_unfinished(self) -> bool:
@@ -342,6 +344,7 @@ class LLMEngine:
                 self._last_resolve = now if self._inflight is not None else None
             return deltas
         t0 = time.perf_counter()
+        self._draft_next = False  # this step is synchronous anyway
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
             if self._planned:
@@ -441,6 +444,8 @@ class LLMEngine:
                 deltas.append(delta)
             if not seq.is_finished:
                 self.block_pool.cache_full_blocks(seq)  # now that its token ids are known
+            elif self.spec is not None:
+                self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's update would)
         return deltas
 
     def _process_token(self, seq: Sequence, tok: int) -> StreamDelta | None:

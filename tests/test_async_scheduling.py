@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from macinfer.engine import LLMEngine
 from macinfer.sampling import SamplingParams
 from test_engine import assert_all_free, oracle, run
@@ -126,4 +128,27 @@ def test_adaptive_speculation_queues_ahead_when_it_would_not_draft(load):
         assert out[f"r{i}"][0].token_ids == w, i
     drafted = sum(o.metrics.draft_tokens for o, _ in out.values())
     assert launches and drafted > 0  # both: queued-ahead plain steps and synchronous drafting steps
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_requests_finishing_in_a_queued_step_leave_nothing_in_the_drafter(load, tiny_models, draft):
+    model, tok = load("llama")
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4,
+                       draft="ngram" if draft == "ngram" else str(tiny_models("llama", seed=1)))
+    launches = _spy_launches(engine)
+    for i in range(6):
+        run(engine, [(0, [5 + i, 9, 14, 3, 8], SamplingParams(max_tokens=12, ignore_eos=True), f"q{i}")])
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True), request_id="gone")
+    for _ in range(8):
+        engine.step()
+    engine.abort_request("gone")
+    run(engine)
+    assert launches, "never queued ahead: the test proves nothing"
+    drafter = engine.spec.drafter
+    assert engine.spec.acceptance == {}
+    if draft == "ngram":
+        assert drafter._cache == {}
+    else:
+        assert drafter.states == {} and drafter.pool.req_to_blocks == {}
     assert_all_free(engine)
