@@ -381,12 +381,15 @@ class LLMEngine:
         """The sequences the next step can decode without reading anything back, or [].
 
         Pipelining only covers the steady state: every running sequence decoding, nobody
-        waiting to be admitted, no drafts, a free slot for each row without preempting.
+        waiting who could be admitted, no drafts, a free slot for each row without preempting.
         With a step in flight, a sequence whose pending token is its last (max_tokens)
         is left out: it is certain to finish.
         """
         running = self.scheduler.running
-        if (not self.config.async_scheduling or self.scheduler.waiting
+        # A waiting request only blocks pipelining if it could be admitted now: a server whose
+        # queue is longer than max_num_seqs still runs its full batch ahead.
+        admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
+        if (not self.config.async_scheduling or admissible
                 or not running or (len(running) > 1 and not self.runner.batch_decode)):
             return []
         if prev is None:

@@ -152,3 +152,18 @@ def test_requests_finishing_in_a_queued_step_leave_nothing_in_the_drafter(load, 
     else:
         assert drafter.states == {} and drafter.pool.req_to_blocks == {}
     assert_all_free(engine)
+
+
+def test_full_batch_with_a_queue_still_runs_ahead(load):
+    """More requests than max_num_seqs: the queue waits for a free row either way, so the
+    running batch is queued ahead meanwhile, and each output is still mlx-lm's."""
+    model, tok = load("qwen2")
+    prompts = [[9 + i, 33, 7, 2 * i + 5] for i in range(5)]
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, max_num_seqs=2)
+    launches = _spy_launches(engine)
+    out = run(engine, [(0, p, SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True), f"w{i}")
+                       for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert out[f"w{i}"][0].token_ids == oracle(model, p, 10 + 3 * i)[0], i
+    assert sum(n == 2 for n in launches) >= 10  # the full batch ran ahead while others waited
+    assert_all_free(engine)
