@@ -148,9 +148,9 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
         raise MacinferError(f"the target tokenizer has {n_tok} tokens but draft {name} covers {rows}")
     try:
         draft, _ = mlx_load_model(path, strict=False)
-        stored = set()
+        stored = {}
         for f in path.glob("model*.safetensors"):
-            stored |= set(mx.load(str(f)))
+            stored.update(mx.load(str(f)))
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MacinferError(f"could not load draft {name} ({msg})") from None
@@ -171,7 +171,7 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
     if head_vocab:
         if head is not None:
             raise MacinferError(f"draft {name} has a subset head of the tied embedding but the target's lm_head is untied")
-        ids = next((mx.load(str(f)).get("macinfer.head_ids") for f in path.glob("model*.safetensors")), None)
+        ids = stored.get("macinfer.head_ids")
         if ids is None or ids.size != head_vocab or int(ids.max()) >= rows:
             raise MacinferError(f"draft {name}: its head token ids are missing or out of range: rebuild the draft")
     elif head is not None:
