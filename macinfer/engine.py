@@ -222,10 +222,6 @@ class LLMEngine:
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back
         self._last_resolve: float | None = None  # when the previous queued step was read back
-        self._draft_next = False  # a queued step was judged worth drafting after: do not queue the next
-        # Plans judged on stale tokens can be wrong (an n-gram match that the pending token
-        # breaks); each plan that ends in no drafts doubles how many steps go unplanned.
-        self._plan_backoff, self._plan_penalty, self._planned = 0, 1, False
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -344,16 +340,8 @@ class LLMEngine:
                 self._last_resolve = now if self._inflight is not None else None
             return deltas
         t0 = time.perf_counter()
-        self._draft_next = False  # this step is synchronous anyway
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
-            if self._planned:
-                self._planned = False
-                if self.spec.last_k:
-                    self._plan_penalty = 1
-                else:  # a synchronous step for nothing: plan less often for a while
-                    self._plan_backoff = self._plan_penalty
-                    self._plan_penalty = min(2 * self._plan_penalty, 64)
         out = self.scheduler.schedule()
         for seq in out.finished:  # could not fit in the KV cache any more
             deltas.append(self._finish(seq))
@@ -404,17 +392,8 @@ class LLMEngine:
         pool = self.block_pool
         if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
             return []
-        if self.spec is not None and rows:
-            if prev is None and self._draft_next:
-                self._draft_next = False  # the step that follows a "worth drafting" plan drafts
-                self._planned = True
-                return []
-            if self._plan_backoff > 0:
-                self._plan_backoff -= 1
-            elif self.spec.plan_k(rows, pending=prev is not None) > 0:
-                # Worth drafting: that needs the pending tokens read back, then a synchronous step.
-                self._draft_next = prev is not None
-                return []
+        if self.spec is not None and rows and self.spec.wants_sync(rows, pending=prev is not None):
+            return []  # worth drafting: that needs the tokens read back, then a synchronous step
         return rows
 
     def _launch(self, rows: list[Sequence], prev: _InFlight | None) -> _InFlight:

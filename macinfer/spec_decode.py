@@ -166,6 +166,11 @@ class SpecDecoder:
         self.step_cost = StepCost()
         self._draft_s = 0.0  # time spent drafting in the current step
         self.last_k = 0
+        # Async scheduling (wants_sync): a plan made with a step in flight is carried out by the
+        # next step; plans judged on stale tokens can be wrong (an n-gram match the pending token
+        # breaks), so each one that ends in no drafts doubles how many steps go unplanned.
+        self._draft_next, self._planned = False, False
+        self._plan_backoff, self._plan_penalty = 0, 1
 
     # -- acceptance -------------------------------------------------------------------
     def alpha(self, request_id: str) -> float:
@@ -222,6 +227,23 @@ class SpecDecoder:
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
         return self.choose_k([self.alpha(s.request_id) for s in seqs], offers)
 
+    def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
+        """Whether the next step should be synchronous so that it can draft for these rows.
+
+        The engine asks before it queues a step asynchronously. With a step in flight
+        (pending) a yes means: read it back, and draft in the step after.
+        """
+        if not pending and self._draft_next:
+            self._draft_next, self._planned = False, True
+            return True
+        if self._plan_backoff > 0:
+            self._plan_backoff -= 1
+            return False
+        if self.plan_k(seqs, pending) > 0:
+            self._draft_next = pending
+            return True
+        return False
+
     def skip_step(self, running: list[Sequence], num_rows: int, seconds: float | None) -> None:
         """A step ran without drafts, queued asynchronously: age the counts as propose would,
         and learn its cost (wall time between two such steps, which is what K = 0 costs)."""
@@ -245,6 +267,14 @@ class SpecDecoder:
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(decodes, caps)]
         K = self.choose_k([self.alpha(s.request_id) for s in decodes], offers) if decodes else 0
         self.last_k = K
+        self._draft_next = False  # this step drafts (or not) on the tokens known now
+        if self._planned:
+            self._planned = False
+            if K:
+                self._plan_penalty = 1
+            else:  # a synchronous step for nothing: plan less often for a while
+                self._plan_backoff = self._plan_penalty
+                self._plan_penalty = min(2 * self._plan_penalty, 64)
         self._draft_s = 0.0
         if K > 0:
             self.drafter.propose(decodes, [min(K, o) for o in offers])
