@@ -139,6 +139,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.max_num_batched_tokens is None:
             # A chunk's forward blocks every decode of that step: keep it short where
             # prefill is slow (CPU, ~50 tok/s on a 135M model) and longer on Metal.

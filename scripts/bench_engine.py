@@ -241,6 +241,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="repetitions per measurement (medians)")
     ap.add_argument("--skip-tiny", action="store_true", help="only the embedded model")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
     levels = [int(x) for x in args.concurrency.split(",")]
 
     import mlx_lm

@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--k", type=int, default=5, help="macinfer's most drafts per step (adaptive below it)")
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
     model, tok, info, draft = load()
     opts = dict(kv_memory="192MB", max_num_seqs=8, enable_prefix_cache=False, num_speculative_tokens=args.k)
     engines = {

@@ -167,3 +167,9 @@ def test_full_batch_with_a_queue_still_runs_ahead(load):
         assert out[f"w{i}"][0].token_ids == oracle(model, p, 10 + 3 * i)[0], i
     assert sum(n == 2 for n in launches) >= 10  # the full batch ran ahead while others waited
     assert_all_free(engine)
+
+
+def test_async_scheduling_option_is_validated(load):
+    model, tok = load("llama")
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        LLMEngine(model, tok, None, num_blocks=8, async_scheduling="no")
