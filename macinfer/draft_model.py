@@ -253,6 +253,10 @@ def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool
     import mlx.core as mx
 
     path = _resolve(spec_or_path)
+    from macinfer.feature_draft import is_feature_draft, load_feature_draft
+
+    if path is not None and is_feature_draft(path):
+        return load_feature_draft(path, target_model)
     if path is not None and _is_embeddingless(path):
         return _load_embeddingless(path, target_model, target_tokenizer, dequantize)
 

@@ -218,7 +218,7 @@ class LLMEngine:
             self.runner.ctx.attention_fn = fn
         self.model_id = setup_prefix_cache(self, config)  # None when the prefix cache is off
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
-                                      self.block_pool)  # None: no draft
+                                      self.block_pool, self.runner)  # None: no draft
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned

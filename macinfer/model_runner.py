@@ -54,6 +54,24 @@ class ModelRunner:
             self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
         install_attention_patch(model)
         mx.eval([c.state for c in self.caches])
+        # A feature draft (macinfer.feature_draft) reads every forward's final hidden states.
+        self.hidden_sink = None
+        self._body = self._head = None
+
+    def set_hidden_sink(self, sink) -> None:
+        """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
+        from macinfer.feature_draft import split_head
+
+        self._body, self._head = split_head(self.model)
+        self.hidden_sink = sink
+
+    def _logits(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
+        """The model's (B, L, V) logits; its hidden states go to the sink, if one is set."""
+        if self.hidden_sink is None:
+            return self.model(tokens, cache=self.caches)
+        h = self._body(tokens, cache=self.caches)
+        self.hidden_sink(seqs, starts, counts, h)
+        return self._head(h)
 
     @property
     def kv_bytes(self) -> int:
@@ -85,7 +103,8 @@ class ModelRunner:
             last.append(n - 1)
             starts.append(start)
         self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
-        logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self.caches)  # (B, L, V)
+        logits = self._logits(mx.array(tokens, dtype=mx.int32), [r.seq for r in rows], starts,
+                              [r.num_new_tokens for r in rows])  # (B, L, V)
         if all_logits:
             return logits
         if all(n == L - 1 for n in last):
@@ -116,7 +135,7 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         self._set_context(starts, 1, [s.block_table for s in seqs],
                           [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
-        logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
+        logits = self._logits(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :]  # (B, V)
         if all(s.sampler.params.greedy for s in seqs):
             sampled = mx.argmax(logits, axis=-1)
         else:

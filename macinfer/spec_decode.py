@@ -341,12 +341,17 @@ def shipped_draft_for(model_name: str | None) -> str | None:
     return model_name if path is not None and path.is_dir() else None
 
 
-def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int) -> Drafter:
-    """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter."""
+def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int, runner=None) -> Drafter:
+    """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter.
+
+    A feature draft (macinfer.feature_draft) also needs the target's ModelRunner (`runner`),
+    whose forwards hand it their hidden states.
+    """
     if isinstance(draft, str) and draft.lower() == "ngram":
         return NgramDrafter()
     if hasattr(draft, "propose") and hasattr(draft, "available"):
         return draft  # a Drafter already
+    name = "draft"
     if isinstance(draft, str) or hasattr(draft, "__fspath__"):
         try:
             from macinfer.draft_model import load_draft
@@ -354,12 +359,17 @@ def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int) -> D
             raise MacinferError("draft models need macinfer.draft_model, which is missing") from None
         name = str(draft)
         draft = load_draft(draft, model, tokenizer)
-        return DraftModelDrafter(draft, num_blocks, block_size, name=name)
-    return DraftModelDrafter(draft, num_blocks, block_size)  # an already loaded mlx-lm model
+    from macinfer.feature_draft import FeatureDraft, FeatureDrafter
+
+    if isinstance(draft, FeatureDraft):
+        if runner is None:
+            raise MacinferError("a feature draft needs the target's model runner")
+        return FeatureDrafter(draft, runner, num_blocks, block_size, name=name)
+    return DraftModelDrafter(draft, num_blocks, block_size, name=name)  # an mlx-lm model
 
 
 def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_blocks: int, block_size: int,
-                      block_pool) -> SpecDecoder | None:
+                      block_pool, runner=None) -> SpecDecoder | None:
     """The engine's SpecDecoder for EngineConfig `config`, or None without a draft.
 
     draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS), or none.
@@ -369,5 +379,5 @@ def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_bloc
         draft = shipped_draft_for(model_name)
     if draft is None:
         return None
-    drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size)
+    drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size, runner)
     return SpecDecoder(drafter, block_pool, config.num_speculative_tokens, config.adaptive_speculation)
