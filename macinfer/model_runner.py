@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
+from macinfer.rope import install_shared_rope
 from macinfer.scheduler import ScheduledSequence
 
 
@@ -53,6 +54,7 @@ class ModelRunner:
         else:
             self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
         install_attention_patch(model)
+        install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
 
     @property
