@@ -134,15 +134,20 @@ def _apply(x: mx.array, angles: tuple, args: tuple, memo: dict) -> mx.array:
 
 
 def rotation_matches(args: tuple, dtype=mx.float32, head_dim: int | None = None) -> bool:
-    """Whether SharedRoPE reproduces mx.fast.rope bit for bit here (one and several rows)."""
+    """Whether SharedRoPE reproduces mx.fast.rope bit for bit here.
+
+    Runs the inputs a forward produces (one row and several, one position and several,
+    queries as the transposed view the attention hands over), which also compiles every
+    kernel variant now rather than inside the first forward of each shape (a cold
+    compile costs up to ~0.7 s: spec decoding's step-cost model would learn it).
+    """
     dims = args[0]
     D = head_dim or dims
-    x = mx.random.normal((3, 4, 5, D), key=mx.random.key(0)).astype(dtype)
-    for offset in (37, mx.array([0, 513, 4099], dtype=mx.int32)):
-        B = 3 if isinstance(offset, mx.array) else 1
-        xb = x[:B]
-        want = mx.fast.rope(xb, dims, traditional=args[1], base=args[2], scale=args[3], offset=offset, freqs=args[4])
-        if not mx.array_equal(_apply(xb, _angles(B, 5, args, offset, dtype), args, {}), want).item():
+    for B, L in ((1, 1), (1, 5), (3, 1), (3, 5)):
+        x = mx.random.normal((B, L, 4, D), key=mx.random.key(B * 10 + L)).astype(dtype).transpose(0, 2, 1, 3)
+        offset = 37 if B == 1 else mx.array([0, 513, 4099], dtype=mx.int32)
+        want = mx.fast.rope(x, dims, traditional=args[1], base=args[2], scale=args[3], offset=offset, freqs=args[4])
+        if not mx.array_equal(_apply(x, _angles(B, L, args, offset, dtype), args, {}), want).item():
             return False
     return True
 
