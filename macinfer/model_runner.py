@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
+from macinfer.rope import install_shared_rope
 from macinfer.scheduler import ScheduledSequence
 
 
@@ -53,6 +54,7 @@ class ModelRunner:
         else:
             self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
         install_attention_patch(model)
+        install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
         # A feature draft (macinfer.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
@@ -65,13 +67,11 @@ class ModelRunner:
         self._body, self._head = split_head(self.model)
         self.hidden_sink = sink
 
-    def _logits(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
-        """The model's (B, L, V) logits; its hidden states go to the sink, if one is set."""
-        if self.hidden_sink is None:
-            return self.model(tokens, cache=self.caches)
+    def _hidden(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
+        """The final hidden states (B, L, D) of a forward, reported to the sink."""
         h = self._body(tokens, cache=self.caches)
         self.hidden_sink(seqs, starts, counts, h)
-        return self._head(h)
+        return h
 
     @property
     def kv_bytes(self) -> int:
@@ -103,10 +103,19 @@ class ModelRunner:
             last.append(n - 1)
             starts.append(start)
         self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
-        logits = self._logits(mx.array(tokens, dtype=mx.int32), [r.seq for r in rows], starts,
-                              [r.num_new_tokens for r in rows])  # (B, L, V)
+        inputs = mx.array(tokens, dtype=mx.int32)
+        if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
+            h = self._hidden(inputs, [r.seq for r in rows], starts, [r.num_new_tokens for r in rows])
+            if all_logits:
+                return self._head(h)
+            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(rows)), mx.array(last)]
+            return self._head(h)  # (B, V): the head on the sampled positions only
         if all_logits:
-            return logits
+            return self.model(inputs, cache=self.caches)  # (B, L, V)
+        logits = (self.model(inputs, cache=self.caches) if L == 1
+                  else _last_rows_only(self.model, inputs, self.caches, last))
+        if logits.shape[1] == 1:  # the head ran on each row's last real position only
+            return logits[:, 0, :]
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
         return logits[mx.arange(len(rows)), mx.array(last)]
@@ -135,7 +144,10 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         self._set_context(starts, 1, [s.block_table for s in seqs],
                           [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
-        logits = self._logits(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :]  # (B, V)
+        if self.hidden_sink is None:
+            logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
+        else:
+            logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
         if all(s.sampler.params.greedy for s in seqs):
             sampled = mx.argmax(logits, axis=-1)
         else:
@@ -207,3 +219,38 @@ class ModelRunner:
             row = v.tolist()
             out[i] = row[1: 2 + row[0]]
         return out
+
+
+class _PickRows(nn.Module):
+    """The model's final norm, applied to one position per row: (B, L, D) -> (B, 1, D)."""
+
+    def __init__(self, norm: nn.Module, last: list[int], L: int):
+        super().__init__()
+        self.norm, self.last, self.L = norm, last, L
+
+    def __call__(self, h):
+        if h.ndim != 3 or h.shape[1] != self.L:
+            return self.norm(h)  # not the shape we expect: leave it alone
+        if all(n == self.L - 1 for n in self.last):
+            return self.norm(h[:, -1:])
+        return self.norm(h[mx.arange(h.shape[0]), mx.array(self.last)][:, None])
+
+
+def _last_rows_only(model: nn.Module, inputs: mx.array, caches: list, last: list[int]) -> mx.array:
+    """The forward's logits at each row's position last[b] only, if the model allows: (B, 1, V).
+
+    A prefill chunk needs the logits of one position per row, but mlx-lm models project
+    every position through the LM head (on SmolLM2, 49152 x 576: ~20% of a prefill's
+    FLOPs). The final norm and the head are per position, so picking the rows before the
+    norm changes nothing else. Models without `model.norm` run whole: (B, L, V).
+    """
+    body = getattr(model, "model", None)
+    norm = getattr(body, "norm", None)
+    if not isinstance(norm, nn.Module):
+        return model(inputs, cache=caches)
+    body.norm = _PickRows(norm, last, inputs.shape[1])
+    try:
+        return model(inputs, cache=caches)
+    finally:
+        body.norm = norm
+

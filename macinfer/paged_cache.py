@@ -101,6 +101,14 @@ class LayerSpec:
         return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
 
 
+_current_ctx: ForwardContext | None = None
+
+
+def current_forward() -> ForwardContext | None:
+    """The ForwardContext of the paged cache whose offset was read last (macinfer.rope)."""
+    return _current_ctx
+
+
 class PagedKVCache:
     """One layer's view of the paged KV cache, speaking mlx-lm's cache protocol."""
 
@@ -113,6 +121,9 @@ class PagedKVCache:
 
     @property
     def offset(self):
+        # mlx-lm reads this right before each rope call: tell SharedRoPE whose forward it is.
+        global _current_ctx
+        _current_ctx = self.ctx
         return self.ctx.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):

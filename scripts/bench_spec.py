@@ -8,8 +8,10 @@ decoding measured in the same run, the configurations interleaved per prompt:
   1. single stream, greedy: chat prompts, a code-editing prompt that repeats
      its input, and a random-text prompt (sampled at temperature 1, where no
      drafter can guess: adaptive k must keep it at ~1x). macinfer with no
-     draft / n-gram / the shipped draft model, and mlx-lm's stream_generate
-     without and with the same draft model (`draft_model=`, fixed k);
+     draft / n-gram / the shipped feature draft ("feature", EAGLE-style: it
+     reads the target's hidden states, which mlx-lm cannot give it) / the shipped
+     token draft ("tokens", a small mlx-lm model), and mlx-lm's stream_generate
+     without and with that same token draft (`draft_model=`, fixed k);
   2. 8 concurrent requests (continuous batching), with vs without speculation.
 
 Usage:
@@ -59,8 +61,8 @@ def load():
     from macinfer.loader import load_model
 
     model, tok, info = load_model(None, dequantize=True)
-    draft = load_draft("smollm2-135m", model, tok)
-    return model, tok, info, draft
+    tokens_draft = load_draft("smollm2-135m-tokens", model, tok)
+    return model, tok, info, tokens_draft
 
 
 def chat_ids(tok, text):
@@ -108,8 +110,10 @@ def main():
     engines = {
         "plain": LLMEngine(model, tok, info, **opts),
         "ngram": LLMEngine(model, tok, info, draft="ngram", **opts),
-        "draft": LLMEngine(model, tok, info, draft=draft, **opts),
+        "feature": LLMEngine(model, tok, info, draft="smollm2-135m", **opts),
+        "tokens": LLMEngine(model, tok, info, draft=draft, **opts),
     }
+    drafters = [k for k in engines if k != "plain"]
     greedy = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
     cases = [(f"chat {i + 1}", chat_ids(tok, t), greedy) for i, t in enumerate(CHAT[:1] if args.quick else CHAT)]
@@ -121,21 +125,22 @@ def main():
 
     print(f"SmolLM2-135M float32, {args.tokens} tokens/request, medians of {args.reps}, macinfer k <= {args.k} (adaptive), "
           f"mlx-lm k = 3 (fixed); decode tok/s and speed-up over plain decode of the same engine")
-    print(f"{'prompt':14} {'plain':>7} {'ngram':>14} {'draft':>14} {'acc n/d':>10} | {'mlx-lm':>7} {'mlx-lm+draft':>14}  same")
+    print(f"{'prompt':14} {'plain':>7}" + "".join(f" {k:>14}" for k in drafters)
+          + f" {'acceptance':>15} | {'mlx-lm':>7} {'mlx-lm+tokens':>14}  same")
     for name, ids, params in cases:
         res, runs = {}, {k: [] for k in engines}
         for r in range(args.reps):  # rotate which engine goes first: this CPU's speed drifts
-            keys = list(engines)[r % 3:] + list(engines)[: r % 3]
+            keys = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
             for key in keys:
                 (out,), _ = run_engine(engines[key], [ids], params)
                 res[key] = out
                 runs[key].append(out.metrics.decode_tps)
         tps = {k: statistics.median(v) for k, v in runs.items()}
         acc = "/".join("-" if res[k].metrics.acceptance_rate is None else f"{res[k].metrics.acceptance_rate:.2f}"
-                       for k in ("ngram", "draft"))
-        same = params.greedy and res["plain"].token_ids == res["ngram"].token_ids == res["draft"].token_ids
-        line = (f"{name:14} {tps['plain']:7.1f} {tps['ngram']:7.1f} ({tps['ngram'] / tps['plain']:.2f}x) "
-                f"{tps['draft']:7.1f} ({tps['draft'] / tps['plain']:.2f}x) {acc:>10} |")
+                       for k in drafters)
+        same = params.greedy and all(res[k].token_ids == res["plain"].token_ids for k in drafters)
+        line = f"{name:14} {tps['plain']:7.1f}" + "".join(
+            f" {tps[k]:7.1f} ({tps[k] / tps['plain']:.2f}x)" for k in drafters) + f" {acc:>15} |"
         if not args.quick:
             base = statistics.median([mlx_lm_tps(model, tok, ids, params.max_tokens)[0] for _ in range(args.reps)])
             spec = statistics.median([mlx_lm_tps(model, tok, ids, params.max_tokens, draft=draft)[0]
@@ -147,7 +152,7 @@ def main():
         prompts = [chat_ids(tok, t) for t in (CHAT * 3)[:8]]
         print("\n8 concurrent requests (chat prompts, greedy), aggregate decode tok/s:")
         rates = {}
-        for key in ("plain", "ngram", "draft"):
+        for key in engines:
             outs, rates[key] = run_engine(engines[key], prompts, greedy)
             acc = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
             print(f"  {key:6} {rates[key]:7.1f} tok/s ({rates[key] / rates['plain']:.2f}x)"

@@ -331,6 +331,11 @@ def cmd_train(args):
             if last:
                 break
         epoch += 1
+        fresh = load_with_feats("train")  # the feats stage may still be adding shards
+        if len(fresh) > len(train):
+            print(f"[train] {len(fresh) - len(train)} new sequences", flush=True)
+            train = fresh
+            meta["n_train_seqs"] = len(train)
     print(f"[train] done: {step} steps, {epoch} epochs, {time.time() - t0:.0f}s, best top1 {best:.3f}")
 
 

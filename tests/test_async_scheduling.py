@@ -122,6 +122,10 @@ def test_adaptive_speculation_queues_ahead_when_it_would_not_draft(load):
 
     drafter = Sometimes(prompts, want, right=True, vocab=model.args.vocab_size)
     engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, draft=drafter, num_speculative_tokens=3)
+    # Wall-clock step costs make K a coin toss on a tiny model (a 1 ms step, a loaded CI
+    # machine): feed the cost model fixed ones (1 ms + 0.1 ms per token) so the choice is the logic's.
+    observe = engine.spec.step_cost.observe
+    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
     launches = _spy_launches(engine)
     out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
     for i, w in enumerate(want):
