@@ -183,6 +183,10 @@ class FeatureDrafter:
     """
 
     has_model = True
+    # Stop a chain where the chance it is all accepted falls below this: about what one more
+    # verified token plus one more draft round cost, as a fraction of a decode step, with
+    # float32 SmolLM2 on the CPU (PLATFORM.md: 104 ms for 1 token, 112 for 2; a round ~8 ms).
+    min_joint = 0.15
 
     def __init__(self, draft: FeatureDraft, target_runner, num_blocks: int, block_size: int, name: str = "feature draft"):
         from macinfer.model_runner import ModelRunner
@@ -279,17 +283,24 @@ class FeatureDrafter:
         return out[mx.arange(len(tokens)), mx.array([len(t) - 1 for t in tokens])]
 
     @staticmethod
-    def _pick(seq: Sequence, logits: mx.array, probs: dict) -> mx.array:
-        """The drafted token (lazy) for one row; a sampled draft records its distribution q."""
+    def _pick(seq: Sequence, logits: mx.array):
+        """(drafted token, q) for one row, both lazy; q (what a sampled draft drew from) is None for greedy."""
         if seq.sampler.params.greedy:
-            return mx.argmax(logits, axis=-1)
+            return mx.argmax(logits, axis=-1), None
         q = seq.sampler.probs(logits)  # what the draft samples from: the verifier's q
-        probs.setdefault(seq.request_id, []).append(q)
-        return mx.random.categorical(mx.log(q), key=seq.sampler.next_key())
+        return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
-        rows = []  # (seq, state, k)
-        toks, fts = [], []
+        """Draft up to num_draft[i] tokens per row; a row's chain stops early where the draft is unsure.
+
+        The draft's confidence (its top probability, well calibrated on held-out text: see
+        scripts/train_eagle.py) times that of the drafts before it is the chance the whole chain
+        so far is accepted; below `min_joint` one more token would cost more verify and draft
+        time than it is expected to save, so the chain stops there (EAGLE-2's rule, on a chain).
+        The rule looks at the draft's distribution, never at the token drawn from it, so a
+        sampled draft still comes from q and rejection sampling stays exact.
+        """
+        rows, toks, fts, ks, joint = [], [], [], [], []
         for seq, k in zip(seqs, num_draft):
             seq.spec_token_ids, seq.spec_probs = [], None
             if k <= 0:
@@ -297,30 +308,41 @@ class FeatureDrafter:
             st, feats, tokens = self._sync(seq)
             if not tokens or not self.pool.allocate_slots(st, len(tokens) + k - 1):
                 continue  # nothing new to feed (cannot happen after a step), or the draft pool is full
-            rows.append((seq, st, k))
+            rows.append((seq, st))
             toks.append(tokens)
             fts.append(feats)
+            ks.append(k)
+            joint.append(1.0)
         probs: dict[str, list[mx.array]] = {}
-        for r in range(max((k for *_, k in rows), default=0)):
-            idx = [i for i, (*_, k) in enumerate(rows) if k > r]
+        r = 0
+        while idx := [i for i, k in enumerate(ks) if k > r]:
             t0 = time.perf_counter()
             steady = all(len(toks[i]) == 1 for i in idx)
             fhat = self._run([rows[i][1] for i in idx], [toks[i] for i in idx], [fts[i] for i in idx])
             logits = self.draft.head(fhat)  # (B, V)
-            picks = mx.stack([self._pick(rows[i][0], logits[j], probs) for j, i in enumerate(idx)])
-            mx.eval(picks, fhat, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
-            for j, (i, tok) in enumerate(zip(idx, picks.tolist())):
-                seq, st, _ = rows[i]
+            conf = mx.softmax(logits, axis=-1).max(axis=-1)
+            picked = [self._pick(rows[i][0], logits[j]) for j, i in enumerate(idx)]
+            picks = mx.stack([t for t, _ in picked])
+            mx.eval(picks, conf, fhat, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
+            for j, (i, tok, c) in enumerate(zip(idx, picks.tolist(), conf.tolist())):
+                seq, st = rows[i]
                 n = len(toks[i])
                 st.num_computed_tokens += n
                 if r == 0:
                     st.true_rows += n
+                joint[i] *= c
+                if joint[i] < self.min_joint:
+                    ks[i] = r  # not worth verifying: this row's chain ends before this token
+                    continue
                 seq.spec_token_ids.append(tok)
+                if picked[j][1] is not None:
+                    probs.setdefault(seq.request_id, []).append(picked[j][1])
                 toks[i], fts[i] = [tok], fhat[j: j + 1]
             if steady:
                 dt = time.perf_counter() - t0
                 self.round_s = dt if self.round_s is None else 0.7 * self.round_s + 0.3 * dt
-        for seq, st, _ in rows:
+            r += 1
+        for seq, st in rows:
             if seq.request_id in probs:
                 seq.spec_probs = mx.stack(probs[seq.request_id])  # (k, V)
             # What round 0 fed is in the draft's cache now: drop the features no longer needed.

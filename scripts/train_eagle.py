@@ -262,6 +262,14 @@ def cmd_train(args):
     vocab = model.model.embed_tokens.weight.shape[0]
     head_ids = td.choose_head_ids([t[:4] for t in train], vocab, args.head_vocab)
     draft, cfg = build_draft(model, target_config, head_ids, args.init_layer)
+    if args.init:  # continue from a saved draft: its weights and its head's tokens
+        from macinfer.feature_draft import load_feature_draft
+
+        saved = load_feature_draft(Path(args.init), model)
+        head_ids = np.array(saved.head.ids).tolist()
+        draft, cfg = build_draft(model, target_config, head_ids, args.init_layer)
+        draft.update(saved.trainable_parameters())
+        mx.eval(draft.parameters())
     head_w = draft.head.weight
     pos_of = np.full(vocab, -1, np.int64)
     pos_of[head_ids] = np.arange(len(head_ids))
@@ -370,6 +378,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-prompts", type=int, default=48)
     ap.add_argument("--draft", default=str(DEFAULT_OUT), help="eval: the draft directory")
+    ap.add_argument("--init", default="", help="train: continue from a saved draft directory")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args()
     if args.eval_prompts < 1 or args.minutes <= 0:

@@ -27,8 +27,9 @@ def target():
     return model, tokenizer
 
 
-def test_shipped_draft_is_small_and_embeddingless():
-    path = SHIPPED_DRAFTS["smollm2-135m"]
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-tokens"])
+def test_shipped_draft_is_small_and_embeddingless(name):
+    path = SHIPPED_DRAFTS[name]
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["macinfer_draft"]["embedding"] == "target"
     assert cfg["vocab_size"] == 49152 and cfg["hidden_size"] == 576
@@ -41,7 +42,7 @@ def test_shipped_draft_is_accepted(target):
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     model, tokenizer = target
-    draft = load_draft("smollm2-135m", model, tokenizer)
+    draft = load_draft("smollm2-135m-tokens", model, tokenizer)
     assert draft.model.embed_tokens is model.model.embed_tokens  # shared, not copied
     assert isinstance(draft.lm_head, SubsetHead) and draft.lm_head.weight.shape == (8192, 576)
     assert len(draft.layers) < len(model.layers)
@@ -74,6 +75,35 @@ def test_shipped_draft_is_accepted(target):
             pending = [props[-1], preds[n]]
         out += props[:n] + [preds[n]]
     assert accepted / drafted >= MIN_ACCEPTANCE, (accepted, drafted, tokenizer.decode(out))
+
+
+def test_shipped_feature_draft_is_accepted(target):
+    """The default SmolLM2 draft reads the target's hidden states (macinfer.feature_draft)."""
+    import mlx.core as mx
+
+    from macinfer.engine import LLMEngine
+    from macinfer.feature_draft import FeatureDraft
+    from macinfer.sampling import SamplingParams
+
+    model, tokenizer = target
+    draft = load_draft("smollm2-135m", model, tokenizer)
+    assert isinstance(draft, FeatureDraft) and len(draft.layers) == 1
+    assert draft.model.embed_tokens is model.model.embed_tokens and draft.head.weight.shape == (8192, 576)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    params = SamplingParams(max_tokens=24)
+    outs = {}
+    for name, draft_opt in (("plain", None), ("feature", "smollm2-135m")):
+        engine = LLMEngine(model, tokenizer, None, max_model_len=512, kv_memory="32MB", enable_prefix_cache=False,
+                           draft=draft_opt, num_speculative_tokens=2, adaptive_speculation=False)
+        engine.add_request(ids, params, request_id="r")
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.output is not None:
+                    outs[name] = d.output
+    assert outs["feature"].token_ids == outs["plain"].token_ids
+    m = outs["feature"].metrics
+    assert m.accepted_tokens / m.draft_tokens >= MIN_FEATURE_ACCEPTANCE, (m.accepted_tokens, m.draft_tokens)
+    assert mx.metal.is_available() or draft.fc.weight.dtype == mx.float32
 
 
 def _leaves(m):

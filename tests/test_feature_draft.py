@@ -72,14 +72,15 @@ def checked(engine, fm, script: bool):
         return out
 
     d._run, d.propose = run_checked, propose
+    d.min_joint = 0.0  # a random draft is never sure of anything: draft all k anyway
     if script:
         cont = {tuple(p): w for p, w in zip(fm["prompts"], fm["want"])}
 
-        def pick(seq, logits, probs):
+        def pick(seq, logits):
             j = seq.num_output_tokens + len(seq.spec_token_ids)  # the output index being drafted
             w = cont[tuple(seq.prompt_token_ids)]
             t = w[j] if j < len(w) else 0
-            return mx.array(t if j % 3 != 2 else (t + 1) % fm["V"])
+            return mx.array(t if j % 3 != 2 else (t + 1) % fm["V"]), None
 
         d._pick = pick
     return seen
@@ -150,3 +151,24 @@ def test_bad_drafts_are_refused(fm, tiny_models, tmp_path):
     scaled.update(mlx_lm.load(str(fm["path"]))[0].parameters())  # a fresh copy: no engine patches
     with pytest.raises(MacinferError, match="feature draft cannot read"):
         split_head(scaled)
+
+
+def test_a_draft_that_always_declines_is_soon_not_asked(fm):
+    """Declined rounds count as rejections: adaptive k turns drafting off, and output stays right."""
+    engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=60,
+                       draft=str(fm["draft"]), num_speculative_tokens=3, enable_prefix_cache=False)
+    d = engine.spec.drafter
+    d.min_joint = 1.1  # never sure enough
+    # Costs that make drafting look worth it (1 ms steps + 0.1 ms per token, free draft rounds),
+    # so only the declines can turn it off.
+    observe = engine.spec.step_cost.observe
+    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+    engine.spec.draft_round_seconds = lambda: 0.0
+    calls = []
+    propose = d.propose
+    d.propose = lambda seqs, ks: (calls.append(engine.spec.step_cost.ready), propose(seqs, ks))
+    out = run(engine, [(0, fm["prompts"][1], SamplingParams(max_tokens=40, ignore_eos=True), "r")])
+    want = mlx_lm_greedy(fm["path"], fm["prompts"][1], 40)
+    assert out["r"].token_ids == want and out["r"].metrics.draft_tokens == 0
+    assert 0 < len(calls) < 20, len(calls)  # only now and then in 40 steps (35 without the accounting)
+    assert engine.spec.alpha("r") < 0.5 or "r" not in engine.spec.acceptance
