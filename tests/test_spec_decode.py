@@ -215,7 +215,21 @@ def chi2_pvalue(observed, expected):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("kind", ["model", "top", "subset"])
+def feature_draft(m, out, keep):
+    """A random feature draft (macinfer.feature_draft) for the tiny target, its head over `keep`."""
+    from mlx_lm.models import llama
+
+    from macinfer.draft_model import save_draft
+    from macinfer.feature_draft import FeatureDraft, feature_draft_config
+
+    V = m["model"].args.vocab_size
+    cfg = feature_draft_config(json.loads((m["target"] / "config.json").read_text()), len(keep))
+    mx.random.seed(5)
+    save_draft(FeatureDraft(llama.ModelArgs.from_dict(cfg)), cfg, out, head_ids=sorted(keep), bits=0)
+    return str(out)
+
+
+@pytest.mark.parametrize("kind", ["model", "top", "subset", "feature"])
 def test_sampled_tokens_follow_the_target(models, kind):
     """First three sampled tokens (top-3, temperature 1) against the target's exact joint distribution.
 
@@ -245,6 +259,9 @@ def test_sampled_tokens_follow_the_target(models, kind):
         a = int(p[()].argmax())
         drop = {int(np.argsort(-p[()])[1]), int(p[(a,)].argmax())}
         draft = subset_draft(m, m["tmp"] / "subset-noisy", set(range(model.args.vocab_size)) - drop, noise=0.05)
+    elif kind == "feature":  # q from the target's hidden states; chains cut by the draft's confidence
+        # A head over just the tokens of the cells, so that random drafts land in p's support.
+        draft = feature_draft(m, m["tmp"] / "feature-draft", {int(t) for c in cells for t in c})
     else:
         draft, _ = mlx_lm.load(str(m["target"]))
         noise = mx.random.key(7)
