@@ -110,7 +110,8 @@ class QuantizedPagedKVCache(PagedKVCache):
         # The compact pool is only valid for this forward: keep paged_attention's
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
-        return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window, sinks=sinks, memo=sub)
+        return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
+                               sinks=sinks, memo=sub)
 
     @property
     def state(self):

@@ -12,7 +12,8 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
 - `offset` is the position of each row's first new token: an int for one row,
   an int32 (B,) array for a decode batch (mx.fast.rope takes per-row offsets).
 - `update_and_fetch` writes the new K/V into the layer's pools at this step's
-  slots (one slice update for a single row, else a scatter) and returns them unchanged (nothing downstream reads them but us).
+  slots (one slice update for a single row, else a scatter) and returns them
+  unchanged (nothing downstream reads them but us).
 - `make_mask` returns a `PagedMask` marker: the real mask depends on the block
   tables and is built inside `paged_attention`.
 - `scaled_dot_product_attention` is replaced *in the model's own module* by a
@@ -70,10 +71,11 @@ class ForwardContext:
 
     def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
-        fn = self.attention_fn or paged_attention
-        kwargs = dict(memo=memo) if self.attention_fn is None else {}
-        return fn(queries, k_pool, v_pool, block_tables, self.context_lens,
-                  block_size=block_size, scale=scale, window=window, sinks=sinks, **kwargs)
+        if self.attention_fn is not None:
+            return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
+                                     block_size=block_size, scale=scale, window=window, sinks=sinks)
+        return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
+                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo)
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
@@ -184,8 +186,9 @@ class PagedKVCache:
     def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
-        return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables, block_size=self.block_size,
-                               scale=scale, window=self.window, sinks=sinks, memo=self.ctx.memo)
+        return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
+                               block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
+                               memo=self.ctx.memo)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property
