@@ -5,9 +5,11 @@ quantisation along head_dim (`mx.quantize`, group 32 by default: with 64, SmolLM
 near-tied top logits already flip on a 37-token prompt, with 32 they do not): a
 block then holds packed uint32 codes plus one scale and bias per group.
 
-    float pool   [num_blocks, bs, H, D]            D x 4 bytes per head (float32)
-    8-bit pool   [num_blocks, bs, H, D/4] uint32   D bytes (8-bit)
-               + scales, biases [num_blocks, bs, H, D/g]
+    float pool   [H, num_blocks * bs, D]            D x 4 bytes per head (float32)
+    8-bit pool   [H, num_blocks * bs, D/4] uint32   D bytes (8-bit)
+               + scales, biases [H, num_blocks * bs, D/g]
+
+(head-major slots, slot = block * bs + offset, like the float pool: macinfer.paged_attention)
 
 Attention dequantises only the blocks this forward's block tables reference into
 a compact float pool and remaps the tables onto it, then calls the same
@@ -23,7 +25,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from macinfer.errors import MacinferError
-from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, token_rows
+from macinfer.paged_attention import block_slots
+from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, write_pool
 
 SUPPORTED_BITS = (4, 8)
 
@@ -57,13 +60,14 @@ class QuantizedPagedKVCache(PagedKVCache):
             raise MacinferError(f"KV cache bits must be one of {SUPPORTED_BITS}, got {bits}")
         self.ctx = ctx
         self.window = spec.window
+        self.block_size = block_size
         self.kv_bits = bits
         self.dtype = spec.dtype
         self.kg = kv_group_size(spec.k_head_dim, group_size)
         self.vg = kv_group_size(spec.v_head_dim, group_size)
 
-        def pool(d, g):  # [num_blocks, bs, H, ...] codes, scales, biases
-            shape = (num_blocks, block_size, spec.n_kv_heads)
+        def pool(d, g):  # [H, num_blocks * bs, ...] codes, scales, biases
+            shape = (spec.n_kv_heads, num_blocks * block_size)
             return [mx.zeros((*shape, d * bits // 32), dtype=mx.uint32),
                     mx.zeros((*shape, d // g), dtype=spec.dtype), mx.zeros((*shape, d // g), dtype=spec.dtype)]
 
@@ -75,25 +79,26 @@ class QuantizedPagedKVCache(PagedKVCache):
     # attention is always dispatched to `self.attention` by the patched sdpa first.
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        c = self.ctx
+        slots = self.ctx.write_slots(self.block_size)
         for pools, x, g in ((self.k_q, keys, self.kg), (self.v_q, values, self.vg)):
-            rows = token_rows(x)  # (T, H, D)
+            rows = head_major(x)  # (H, T, D)
             for pool, part in zip(pools, mx.quantize(rows, group_size=g, bits=self.kv_bits)):
-                pool[c.slot_blocks, c.slot_offsets] = part
+                write_pool(pool, slots, part)
         return keys, values
 
     def _compact(self):
         """Blocks referenced this forward, dequantised: (k, v, remapped tables). Memoised per forward."""
         memo = self.ctx.memo
-        if "kvq_blocks" not in memo:
+        if "kvq_slots" not in memo:
             used = sorted({0, *(b for t in self.ctx.block_tables for b in t)})  # null block first
             where = {b: i for i, b in enumerate(used)}
-            memo["kvq_blocks"] = mx.array(used, dtype=mx.int32)
+            # The used blocks' slots, in order: compact block i holds used[i]'s slots.
+            memo["kvq_slots"] = block_slots(mx.array([used], dtype=mx.int32), self.block_size)[0]
             memo["kvq_tables"] = [[where[b] for b in t] for t in self.ctx.block_tables]
-        idx = memo["kvq_blocks"]
+        idx = memo["kvq_slots"]
 
         def deq(pools, g):
-            w, s, b = (p[idx] for p in pools)
+            w, s, b = (p[:, idx] for p in pools)
             return mx.dequantize(w, s, b, group_size=g, bits=self.kv_bits).astype(self.dtype)
 
         return deq(self.k_q, self.kg), deq(self.v_q, self.vg), memo["kvq_tables"]
@@ -105,7 +110,8 @@ class QuantizedPagedKVCache(PagedKVCache):
         # The compact pool is only valid for this forward: keep paged_attention's
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
-        return self.ctx.attend(queries, k, v, tables, scale=scale, window=self.window, sinks=sinks, memo=sub)
+        return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
+                               sinks=sinks, memo=sub)
 
     @property
     def state(self):

@@ -6,6 +6,11 @@ One file per block, named by its block hash, in a directory per model identity:
         tensors   k.0 v.0 k.1 v.1 ...   each (block_size, n_kv_heads, head_dim), the pool dtype
         metadata  format, model_id, block_hash, token_ids (JSON)
 
+NOTE: the file layout is token-major whatever the in-memory pool layout is (the
+pools are head-major slots since macinfer.paged_attention moved to them): save and
+load transpose, so files written before that change read back unchanged and
+FORMAT did not need a bump. Changing what a file holds would.
+
 A later process that misses a block in memory finds it here (BlockPool asks
 `num_leading`, then `load`) and copies it into a free block of its pools, so a
 second run with the same long system prompt skips its prefill. Blocks are saved
@@ -34,6 +39,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 import mlx.core as mx
+
+from macinfer.paged_attention import block_slots
 
 FORMAT = "macinfer-prefix-block/1"
 
@@ -135,7 +142,8 @@ class DiskPrefixStore:
         for i, c in enumerate(self.caches):
             for kind, pool in (("k", c.k_pool), ("v", c.v_pool)):
                 a = arrays.get(f"{kind}.{i}")
-                if a is None or a.shape != pool.shape[1:] or a.dtype != pool.dtype:
+                want = (self.block_size, pool.shape[0], pool.shape[2])  # (bs, H, D): see the NOTE above
+                if a is None or a.shape != want or a.dtype != pool.dtype:
                     return self._reject(name, f"tensor {kind}.{i} is missing or has the wrong shape/dtype")
         if len(arrays) != 2 * len(self.caches):
             return self._reject(name, "unexpected tensors")
@@ -157,13 +165,28 @@ class DiskPrefixStore:
             self._touch(block_hash.hex())
         if not loaded:
             return 0
-        idx = mx.array(ids, dtype=mx.int32)
+        slots = self._slots(ids)
         for i, c in enumerate(self.caches):
             # NOTE: in-place scatters (nothing else holds the pools), evaluated right away.
-            c.k_pool[idx] = mx.stack([a[f"k.{i}"] for a in loaded])
-            c.v_pool[idx] = mx.stack([a[f"v.{i}"] for a in loaded])
+            c.k_pool[:, slots] = self._to_pool(mx.stack([a[f"k.{i}"] for a in loaded]))
+            c.v_pool[:, slots] = self._to_pool(mx.stack([a[f"v.{i}"] for a in loaded]))
         mx.eval([c.state for c in self.caches])
         return len(loaded)
+
+    def _slots(self, block_ids: list[int]) -> mx.array:
+        """The pools' slot ids of these blocks, block after block: (n * block_size,)."""
+        return block_slots(mx.array([block_ids], dtype=mx.int32), self.block_size)[0]
+
+    @staticmethod
+    def _to_pool(x: mx.array) -> mx.array:
+        """File blocks (n, bs, H, D) -> pool slots (H, n * bs, D)."""
+        n, bs, H, D = x.shape
+        return x.transpose(2, 0, 1, 3).reshape(H, n * bs, D)
+
+    def _from_pool(self, x: mx.array) -> mx.array:
+        """Pool slots (H, n * bs, D) -> file blocks (n, bs, H, D), contiguous."""
+        H, S, D = x.shape
+        return mx.contiguous(x.reshape(H, S // self.block_size, self.block_size, D).transpose(1, 2, 0, 3))
 
     def _touch(self, name: str) -> None:
         self.index[name] = (self.index[name][0], time.time_ns())
@@ -183,9 +206,9 @@ class DiskPrefixStore:
         if not todo:
             return 0
         # One gather per pool (a copy: a view would keep the pool from updating in place).
-        idx = mx.array([b[2] for b in todo], dtype=mx.int32)
-        ks = [c.k_pool[idx] for c in self.caches]
-        vs = [c.v_pool[idx] for c in self.caches]
+        slots = self._slots([b[2] for b in todo])
+        ks = [self._from_pool(c.k_pool[:, slots]) for c in self.caches]
+        vs = [self._from_pool(c.v_pool[:, slots]) for c in self.caches]
         mx.eval(ks, vs)
         for j, (block_hash, token_ids, _) in enumerate(todo):
             arrays = {}

@@ -1,6 +1,6 @@
 """Fused paged decode attention as a Metal kernel, its executable reference, and run-time selection.
 
-The reference path (`macinfer.paged_attention`) gathers each sequence's blocks into
+The reference path (`macinfer.paged_attention`) gathers each sequence's slots into
 a contiguous K/V buffer and calls MLX's fused SDPA: at long contexts that copy
 costs an extra read and write of the KV cache per step. The kernel here reads
 K/V straight from the block pool instead and keeps an online softmax, so there
@@ -12,17 +12,21 @@ Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32,
     query qi of a row with context length C sits at position p = C - q_len + qi
     and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window).
 
-    block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim):
+    block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim,
+    NS = num_blocks * BS slots; pools are head-major, see macinfer.paged_attention):
 
       logical position pos = j * BS + t          block_tables[b] = [ 7, 2, 9, 0, 0 ]
                                                                      |  |  |  padding (null
       seq b:  | 0 .. BS-1 | BS .. 2BS-1 | 2BS .. C-1 |               |  |  |  block 0): never
                  j = 0        j = 1         j = 2                    |  |  |  read, j <= p // BS
                    |            |             |                      v  v  v
-                   +-------> phys = block_tables[b, j] ----->  pool[7], pool[2], pool[9]
+                   +-------> phys = block_tables[b, j] ----->  block 7, 2, 9 = slots
+                                                                   [7BS, 8BS), [2BS, 3BS), [9BS, 10BS)
+      slot = phys * BS + t
+      K of (pos, kv head kvh, dim d) = k_pool[kvh, slot, d]
+                                     = k_pool_flat[(kvh * NS + phys * BS + t) * D + d]
 
-      K of (pos, kv head kvh, dim d) = k_pool[phys, t, kvh, d]
-                                     = k_pool_flat[((phys * BS + t) * KVH + kvh) * D + d]
+    so a block of one head is BS * D contiguous values: the kernel streams it.
       kvh = h // (n_heads // n_kv_heads)            (grouped-query attention)
 
     partitioning: the blocks j_lo = lo // BS .. j_hi = p // BS are dealt round-robin
@@ -77,7 +81,7 @@ SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # self-check order: ti
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
 
 # Signature shared by the reference path and the kernel path:
-# fn(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None, sinks=None)
+# fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None)
 AttentionFn = Callable[..., mx.array]
 
 
@@ -106,16 +110,17 @@ def _table_array(block_tables) -> mx.array:
 
 
 def paged_attention_online(
-    queries, k_pool, v_pool, block_tables, context_lens, *, scale: float,
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_partitions: int | None = None,
 ) -> mx.array:
     """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
 
     Args:
         queries: (B, n_heads, q_len, head_dim), the last q_len positions of each row.
-        k_pool, v_pool: (num_blocks, block_size, n_kv_heads, head_dim).
+        k_pool, v_pool: (n_kv_heads, num_blocks * block_size, head_dim), head-major slots.
         block_tables: int32 (B, max_blocks_per_seq) padded with 0, or lists of block ids.
         context_lens: (B,) tokens in each row's cache, the q_len new ones included.
+        block_size: slots per block.
         scale: softmax scale.
         window: sliding window (a query at p sees keys > p - window), or None.
         n_partitions: simdgroups per row; default `default_simdgroups(head_dim)`,
@@ -129,7 +134,7 @@ def paged_attention_online(
     tables = np.asarray(_table_array(block_tables))
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
     B, H, QL, D = q.shape
-    _, BS, KVH, _ = kp.shape
+    KVH, BS = kp.shape[0], block_size
     NSG = n_partitions or default_simdgroups(D)
     W = window or 0
     f32 = np.float32
@@ -152,12 +157,13 @@ def paged_attention_online(
                         pos = j * BS + np.arange(BS)
                         valid = (pos >= lo) & (pos <= p)
                         s = np.full(BS, MASKED, f32)  # (BS,)  [4] scores of this block
-                        s[valid] = (kp[phys, valid, kvh] @ qv) * f32(scale)
+                        slots = phys * BS + np.arange(BS)  # [3] this block's slots
+                        s[valid] = (kp[kvh, slots[valid]] @ qv) * f32(scale)
                         m_new = max(m, s.max())  # [5] online softmax, once per block
                         corr = np.exp(m - m_new)
                         pt = np.exp(s[valid] - m_new)  # masked slots never touch V
                         l = l * corr + pt.sum()
-                        acc = acc * corr + pt @ vp[phys, valid, kvh]
+                        acc = acc * corr + pt @ vp[kvh, slots[valid]]
                         m = m_new
                     ms[g], ls[g], accs[g] = m, l, acc
                 M = ms.max()  # [6] merge the partitions
@@ -177,7 +183,8 @@ METAL_SOURCE = """
     constexpr int EPL = (D + 31) / 32;          // dims per lane: lane owns d = i * 32 + lane
     const int H = queries_shape[1];
     const int QL = queries_shape[2];
-    const int KVH = k_pool_shape[2];
+    const int KVH = k_pool_shape[0];
+    const int64_t NS = k_pool_shape[1];             // slots per head: num_blocks * BS
     const int MAXB = block_tables_shape[1];
     const int W = window[0];
     const float sc = scale[0];
@@ -208,10 +215,10 @@ METAL_SOURCE = """
     float l = 0.0f;
 
     // [3] ref: for j in range(j_lo + g, j_hi + 1, NSG): phys = tables[b, j]
-    const int64_t tok_stride = (int64_t)KVH * D;      // pool[phys, t + 1] - pool[phys, t]
+    const int64_t tok_stride = D;                     // pool[kvh, slot + 1] - pool[kvh, slot]
     for (int j = j_lo + (int)sg; j <= j_hi; j += NSG) {
         const int64_t phys = block_tables[b * MAXB + j];
-        const int64_t blk = (phys * BS * KVH + kvh) * D;  // k_pool[phys, 0, kvh, 0]
+        const int64_t blk = (kvh * NS + phys * BS) * D;   // k_pool[kvh, phys * BS, 0]
 
         // [4] ref: s[valid] = (kp[phys, valid, kvh] @ qv) * scale; others MASKED
         float s[BS];
@@ -220,7 +227,7 @@ METAL_SOURCE = """
             const int pos = j * BS + t;
             s[t] = -1.0e30f;
             if (pos >= lo && pos <= p) {              // uniform across the simdgroup
-                const int64_t kt = blk + t * tok_stride;  // k_pool[phys, t, kvh, 0]
+                const int64_t kt = blk + t * tok_stride;  // k_pool[kvh, phys * BS + t, 0]
                 float part = 0.0f;
                 for (int i = 0; i < EPL; ++i) {
                     const int d = i * 32 + lane;
@@ -244,7 +251,7 @@ METAL_SOURCE = """
             const int pos = j * BS + t;
             if (pos >= lo && pos <= p) {
                 const float pt = metal::exp(s[t] - m_new);
-                const int64_t vt = blk + t * tok_stride;  // v_pool[phys, t, kvh, 0]
+                const int64_t vt = blk + t * tok_stride;  // v_pool[kvh, phys * BS + t, 0]
                 l += pt;
                 for (int i = 0; i < EPL; ++i) {
                     const int d = i * 32 + lane;
@@ -301,12 +308,12 @@ def build_kernel():
 
 
 def kernel_launch(
-    queries, k_pool, v_pool, block_tables, context_lens, *, scale: float,
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_simdgroups: int | None = None,
 ) -> dict:
     """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs."""
     B, H, QL, D = queries.shape
-    _, BS, _, _ = k_pool.shape
+    BS = block_size
     NSG = n_simdgroups or default_simdgroups(D)
     lens = context_lens if isinstance(context_lens, mx.array) else mx.array([int(c) for c in context_lens])
     return dict(
@@ -323,11 +330,12 @@ def kernel_launch(
 
 
 def paged_attention_metal(
-    queries, k_pool, v_pool, block_tables, context_lens, *, scale: float, window: int | None = None,
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
+    window: int | None = None,
 ) -> mx.array:
     """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
     return build_kernel()(**kernel_launch(
-        queries, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window))[0]
+        queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window))[0]
 
 
 def random_problem(
@@ -348,13 +356,14 @@ def random_problem(
     tables = np.zeros((len(context_lens), max(need)), np.int32)
     for b, n in enumerate(need):
         tables[b, :n] = [next(ids) for _ in range(n)]
-    pool_shape = (num_blocks, BS, n_kv_heads, head_dim)
+    pool_shape = (n_kv_heads, num_blocks * BS, head_dim)  # head-major slots
     return dict(
         queries=mx.array(rng.standard_normal((len(context_lens), n_heads, q_len, head_dim), np.float32)).astype(dtype),
         k_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
         v_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
         block_tables=mx.array(tables),
         context_lens=list(context_lens),
+        block_size=BS,
         scale=head_dim**-0.5,
         window=window,
     )
@@ -404,11 +413,13 @@ def metal_available() -> bool:
 def _kernel_or_reference(kernel_fn: AttentionFn, reference_fn: AttentionFn) -> AttentionFn:
     """The kernel, with the reference for what it does not cover (sinks, head_dim_v != head_dim)."""
 
-    def attention(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None, sinks=None):
+    def attention(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
+                  sinks=None):
         if sinks is not None or v_pool.shape[-1] != queries.shape[-1] or queries.dtype not in SUPPORTED_DTYPES:
             return reference_fn(queries, k_pool, v_pool, block_tables, context_lens,
-                                scale=scale, window=window, sinks=sinks)
-        return kernel_fn(queries, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window)
+                                block_size=block_size, scale=scale, window=window, sinks=sinks)
+        return kernel_fn(queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size,
+                         scale=scale, window=window)
 
     return attention
 
@@ -427,7 +438,8 @@ def select_attention(
         mode: "reference", "metal" (the kernel or an error) or "auto" (the kernel if
             it passes, else the reference with one `MetalAttentionWarning`).
         reference_fn: the gather + SDPA path, with the signature
-            fn(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None, sinks=None).
+            fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
+            sinks=None), pools head-major (macinfer.paged_attention).
         head_dim, block_size: the engine's, so the self-check runs the kernel
             instantiation the engine will use.
 

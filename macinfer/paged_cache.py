@@ -11,8 +11,9 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
 
 - `offset` is the position of each row's first new token: an int for one row,
   an int32 (B,) array for a decode batch (mx.fast.rope takes per-row offsets).
-- `update_and_fetch` scatters the new K/V into the layer's pools at this step's
-  slots and returns them unchanged (nothing downstream reads them but us).
+- `update_and_fetch` writes the new K/V into the layer's pools at this step's
+  slots (one slice update for a single row, else a scatter) and returns them
+  unchanged (nothing downstream reads them but us).
 - `make_mask` returns a `PagedMask` marker: the real mask depends on the block
   tables and is built inside `paged_attention`.
 - `scaled_dot_product_attention` is replaced *in the model's own module* by a
@@ -68,23 +69,62 @@ class ForwardContext:
     # The fused Metal kernel when the engine selected it (macinfer.metal_attention); None: reference.
     attention_fn: object = None
 
-    def attend(self, queries, k_pool, v_pool, block_tables, *, scale, window, sinks, memo) -> mx.array:
+    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
         if self.attention_fn is not None:
             return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
-                                     scale=scale, window=window, sinks=sinks)
+                                     block_size=block_size, scale=scale, window=window, sinks=sinks)
         return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
-                               scale=scale, window=window, sinks=sinks, memo=memo)
+                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo)
+
+    def write_slots(self, block_size: int) -> int | mx.array:
+        """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
+
+        A single row whose new tokens fall in a contiguous run of blocks (every decode
+        step but one in block_size, and most prefills) gets its first slot: the write is
+        then one slice update. Otherwise the slot ids, slot = block * block_size + offset.
+        Worked out once per forward (memo) and shared by every layer.
+        """
+        key = ("write_slots", block_size)
+        if key not in self.memo:
+            self.memo[key] = self._write_slots(block_size)
+        return self.memo[key]
+
+    def _write_slots(self, bs: int) -> int | mx.array:
+        if isinstance(self.offsets, int) and len(self.block_tables) == 1:
+            start, table = self.offsets, self.block_tables[0]
+            end = self.context_lens[0]  # one past the last new token
+            blocks = table[start // bs: -(-end // bs)]
+            if _contiguous_run(blocks):
+                return blocks[0] * bs + start % bs
+        return self.slot_blocks * bs + self.slot_offsets
 
 
-def token_rows(x: mx.array) -> mx.array:
-    """(B, H, L, D) K or V -> (B * L, H, D), one row per token as the pools store them.
+def _contiguous_run(blocks) -> bool:
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
-    A decode (L = 1) needs no transpose: on the CPU backend every op costs dispatch time
-    whatever its size, and this runs twice per layer per step.
+
+def head_major(x: mx.array) -> mx.array:
+    """(B, H, L, D) K or V -> (H, B * L, D): each head's new tokens in row order, as a pool's slots hold them.
+
+    One row (B = 1) needs no copy at all; a decode batch (L = 1) only swaps two axes.
     """
     B, H, L, D = x.shape
-    return x.reshape(B, H, D) if L == 1 else x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+    if B == 1:
+        return x[0]
+    return x.reshape(B, H, D).transpose(1, 0, 2) if L == 1 else x.transpose(1, 0, 2, 3).reshape(H, B * L, D)
+
+
+def write_pool(pool: mx.array, slots: int | mx.array, x: mx.array) -> None:
+    """Write x (H, T, ...) into pool (H, num_slots, ...) at `slots` (ForwardContext.write_slots).
+
+    NOTE: item assignment is an in-place slice update / scatter as long as nothing
+    else holds the previous pool array, so a step writes T slots, not the whole pool.
+    """
+    if isinstance(slots, int):
+        pool[:, slots: slots + x.shape[1]] = x
+    else:
+        pool[:, slots] = x
 
 
 @dataclass
@@ -115,9 +155,10 @@ class PagedKVCache:
     def __init__(self, ctx: ForwardContext, spec: LayerSpec, num_blocks: int, block_size: int):
         self.ctx = ctx
         self.window = spec.window
-        # (num_blocks, block_size, n_kv_heads, head_dim): see paged_attention for why.
-        self.k_pool = mx.zeros((num_blocks, block_size, spec.n_kv_heads, spec.k_head_dim), dtype=spec.dtype)
-        self.v_pool = mx.zeros((num_blocks, block_size, spec.n_kv_heads, spec.v_head_dim), dtype=spec.dtype)
+        self.block_size = block_size
+        # (n_kv_heads, num_blocks * block_size, head_dim), head-major slots: see paged_attention for why.
+        self.k_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.k_head_dim), dtype=spec.dtype)
+        self.v_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.v_head_dim), dtype=spec.dtype)
 
     @property
     def offset(self):
@@ -127,11 +168,9 @@ class PagedKVCache:
         return self.ctx.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        c = self.ctx
-        # NOTE: item assignment is an in-place scatter as long as nothing else holds
-        # the previous pool array, so a step writes T rows, not the whole pool.
-        self.k_pool[c.slot_blocks, c.slot_offsets] = token_rows(keys)
-        self.v_pool[c.slot_blocks, c.slot_offsets] = token_rows(values)
+        slots = self.ctx.write_slots(self.block_size)
+        write_pool(self.k_pool, slots, head_major(keys))
+        write_pool(self.v_pool, slots, head_major(values))
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -148,7 +187,8 @@ class PagedKVCache:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
-                               scale=scale, window=self.window, sinks=sinks, memo=self.ctx.memo)
+                               block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
+                               memo=self.ctx.memo)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property

@@ -44,13 +44,14 @@ def make_problem(ctx, a, dtype):
     per_seq = -(-ctx // BS)
     num_blocks = 1 + a.batch * per_seq  # block 0 is the null block
     ids = np.arange(1, num_blocks) if a.contiguous else rng.permutation(np.arange(1, num_blocks))
-    pool_shape = (num_blocks, BS, a.kv_heads, a.head_dim)
+    pool_shape = (a.kv_heads, num_blocks * BS, a.head_dim)  # head-major slots (macinfer.paged_attention)
     return dict(
         queries=mx.random.normal((a.batch, a.heads, 1, a.head_dim)).astype(dtype),
         k_pool=mx.random.normal(pool_shape).astype(dtype),
         v_pool=mx.random.normal(pool_shape).astype(dtype),
         block_tables=mx.array(ids.reshape(a.batch, per_seq).astype(np.int32)),
         context_lens=[ctx] * a.batch,
+        block_size=BS,
         scale=a.head_dim**-0.5,
     )
 

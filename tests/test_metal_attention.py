@@ -27,15 +27,15 @@ from macinfer import metal_attention as ma
 from macinfer.errors import MacinferError
 
 
-def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None, sinks=None):
-    """Oracle: gather each row's blocks to contiguous K/V, then MLX's SDPA."""
+def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None):
+    """Oracle: gather each row's slots (head-major pools) to contiguous K/V, then MLX's SDPA."""
     B, H, QL, D = queries.shape
-    BS = k_pool.shape[1]
+    BS = block_size
     out = []
     for b, C in enumerate(int(c) for c in context_lens):
-        ids = block_tables[b, : -(-C // BS)]
-        k = k_pool[ids].reshape(-1, *k_pool.shape[2:])[:C].transpose(1, 0, 2)[None]  # (1, KVH, C, D)
-        v = v_pool[ids].reshape(-1, *v_pool.shape[2:])[:C].transpose(1, 0, 2)[None]
+        slots = mx.array([int(block_tables[b, pos // BS]) * BS + pos % BS for pos in range(C)])
+        k = k_pool[:, slots][None]  # (1, KVH, C, D)
+        v = v_pool[:, slots][None]
         pos = mx.arange(C - QL, C)[:, None]
         key = mx.arange(C)[None]
         mask = key <= pos
@@ -47,15 +47,15 @@ def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, scale, w
 
 def poison_unused_slots(args):
     """NaN in every pool slot no query may read: tails of last blocks, null and spare blocks."""
-    BS = args["k_pool"].shape[1]
-    used = np.zeros(args["k_pool"].shape[:2], bool)
+    BS = args["block_size"]
+    used = np.zeros(args["k_pool"].shape[1], bool)  # per slot, in every head
     tables = np.array(args["block_tables"])
     for b, C in enumerate(args["context_lens"]):
         for pos in range(C):
-            used[tables[b, pos // BS], pos % BS] = True
+            used[tables[b, pos // BS] * BS + pos % BS] = True
     for name in ("k_pool", "v_pool"):
         pool = np.array(args[name])
-        pool[~used] = np.nan
+        pool[:, ~used] = np.nan
         args[name] = mx.array(pool)
     return args
 
@@ -450,9 +450,9 @@ def test_mismatch_falls_back_with_one_warning(monkeypatch):
 
 
 def emulated_kernel(emulator, key=None):
-    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, scale, window=None):
+    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None):
         return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
-                             context_lens=context_lens, scale=scale, window=window), key=key)
+                             context_lens=context_lens, block_size=block_size, scale=scale, window=window), key=key)
 
     return paged_attention_metal
 

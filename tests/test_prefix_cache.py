@@ -302,3 +302,33 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
     assert cold["cached_tokens"] == 0 == off["cached_tokens"]
     assert warm["cached_tokens"] == (warm["prompt_tokens"] - 1) // 16 * 16 > 0
     assert cold["token_ids"] == warm["token_ids"] == off["token_ids"]
+
+
+def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
+    """A file holds (block_size, n_kv_heads, head_dim) per tensor, as before the pools went
+    head-major: files saved by older versions load into the right slots, unchanged."""
+    from types import SimpleNamespace
+
+    from macinfer.kv_store import FORMAT, DiskPrefixStore
+
+    bs, H, D, nb = 4, 2, 8, 6
+    rng = random.Random(0)
+    full = [mx.array([[[rng.random() for _ in range(D)] for _ in range(nb * bs)] for _ in range(H)])
+            for _ in range(2)]
+    src = [SimpleNamespace(k_pool=full[0], v_pool=full[1], state=full)]
+    store = DiskPrefixStore(tmp_path / "m", "m", src, bs, 1 << 30)
+    h, ids_ = b"\x01" * 32, [5, 6, 7, 8]
+    assert store.save([(h, ids_, 3)]) == 1  # block 3 = slots 12..15
+    arrays, meta = mx.load(str(tmp_path / "m" / f"{h.hex()}.safetensors"), return_metadata=True)
+    assert meta["format"] == FORMAT == "macinfer-prefix-block/1"
+    assert arrays["k.0"].shape == (bs, H, D)
+    assert mx.array_equal(arrays["k.0"], full[0][:, 12:16].transpose(1, 0, 2)).item()
+
+    zeros = [mx.zeros((H, nb * bs, D)) for _ in range(2)]
+    dst = [SimpleNamespace(k_pool=zeros[0], v_pool=zeros[1], state=zeros)]
+    store2 = DiskPrefixStore(tmp_path / "m", "m", dst, bs, 1 << 30)
+    assert store2.load([(h, ids_, 5)]) == 1  # into block 5 = slots 20..23
+    k, v = dst[0].k_pool, dst[0].v_pool
+    assert mx.array_equal(k[:, 20:24], full[0][:, 12:16]).item()
+    assert mx.array_equal(v[:, 20:24], full[1][:, 12:16]).item()
+    assert not k[:, :20].any().item() and not v[:, :20].any().item()
