@@ -162,8 +162,9 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
                "kv_bits": int(kv_bits) if kv_bits else None, "attention": attention}
     if draft and no_draft:
         raise MacinferError("--draft and --no-draft contradict each other: pick one")
-    # NOTE: no draft unless asked: the shipped SmolLM2 draft accepts ~8% of its tokens so
-    # far (models/smollm2-135m-draft/README.md), which costs more than it saves.
+    # NOTE: no draft unless asked: `macinfer run` loads the 4-bit model, whose verify pass costs
+    # ~k single-token steps on a CPU host (PLATFORM.md), and the shipped SmolLM2 drafts are
+    # accepted on about a third of tokens (models/smollm2-135m-eagle/README.md).
     options["draft"] = None if no_draft else draft
     llm = LLM(model, dequantize=dequantize, **options)
     info = llm.info

@@ -33,7 +33,10 @@ from macinfer.errors import MacinferError
 
 _MODELS = Path(__file__).resolve().parent.parent / "models"
 
-SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-draft"}
+# By target name: the default draft, then the others. "smollm2-135m" is a feature draft
+# (macinfer.feature_draft: reads the target's hidden states); "-tokens" is a small token-only
+# model that any speculative decoder (mlx-lm's too) can run.
+SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-eagle", "smollm2-135m-tokens": _MODELS / "smollm2-135m-draft"}
 
 
 def _target_names(target_model) -> tuple:

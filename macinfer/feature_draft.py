@@ -184,9 +184,10 @@ class FeatureDrafter:
 
     has_model = True
     # Stop a chain where the chance it is all accepted falls below this: about what one more
-    # verified token plus one more draft round cost, as a fraction of a decode step, with
-    # float32 SmolLM2 on the CPU (PLATFORM.md: 104 ms for 1 token, 112 for 2; a round ~8 ms).
-    min_joint = 0.15
+    # verified token plus one more draft round cost, as a fraction of a decode step. Measured
+    # in the engine with float32 SmolLM2 on the dev CPU: a 104 ms decode step; verifying 1 draft
+    # adds ~21 ms, each further one 6-9 ms; a draft round costs 7-9 ms.
+    min_joint = 0.25
 
     def __init__(self, draft: FeatureDraft, target_runner, num_blocks: int, block_size: int, name: str = "feature draft"):
         from macinfer.model_runner import ModelRunner

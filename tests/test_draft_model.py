@@ -17,6 +17,9 @@ K = 4
 # prompts and 4/20 on this prompt (greedy, deterministic); an untrained truncated-layer draft
 # accepts ~0.
 MIN_ACCEPTANCE = 0.1
+# The feature draft (k = 2, chains cut by its confidence) gets 7 of 18 drafts accepted on this
+# prompt; its untrained start gets none (top-1 0.001 on held-out text).
+MIN_FEATURE_ACCEPTANCE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,7 @@ def test_embeddingless_draft_vocab_mismatch(tiny_models, tmp_path):
 
     model, tokenizer, _ = load_model(str(tiny_models("llama")))
     bad = tmp_path / "draft"
-    shutil.copytree(SHIPPED_DRAFTS["smollm2-135m"], bad)  # made for a 49152-token vocabulary
+    shutil.copytree(SHIPPED_DRAFTS["smollm2-135m-tokens"], bad)  # made for a 49152-token vocabulary
     with pytest.raises(MacinferError, match="vocabulary"):
         load_draft(bad, model, tokenizer)
 
