@@ -347,6 +347,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for seq in out.finished:  # could not fit in the KV cache any more
             deltas.append(self._finish(seq))
+            if self.spec is not None:
+                self.spec.remove(seq.request_id)  # what the drafter held for it
         if out.is_empty:
             return deltas
         now = time.perf_counter()

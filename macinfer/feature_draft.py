@@ -147,16 +147,19 @@ def split_head(model):
     Checked numerically on a 3-token input, so a model whose __call__ does more than
     body-then-head (logit scaling, soft-capping) is refused rather than drafted for wrongly.
     """
+    from macinfer.draft_model import _target_names
+
     inner = getattr(model, "model", None)
-    args = getattr(model, "args", None)
-    if inner is None or args is None:
+    if inner is None:
         raise MacinferError("feature drafts need an mlx-lm model with a .model body")
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        head = inner.embed_tokens.as_linear
-    else:
-        head = model.lm_head
+    embed, untied = _target_names(model)  # the same tied/untied rule the draft loader applies
+    head = untied if untied is not None else embed.as_linear
     x = mx.array([[1, 2, 3]])
-    if not mx.allclose(model(x), head(inner(x)), atol=1e-4, rtol=1e-4).item():
+    try:
+        same = mx.allclose(model(x), head(inner(x)), atol=1e-4, rtol=1e-4).item()
+    except Exception:  # noqa: BLE001 - a body that is not (tokens, cache) -> hidden states
+        same = False
+    if not same:
         raise MacinferError(f"{type(model).__module__}: its logits are not lm_head(final hidden state), "
                             "so a feature draft cannot read its hidden states")
     return inner, head
@@ -203,6 +206,11 @@ class FeatureDrafter:
         target_runner.set_hidden_sink(self.observe)
 
     # -- features from the target ---------------------------------------------------------
+    # Unfed features kept per request. A request that goes many steps without drafting (adaptive
+    # k at 0) would otherwise keep one chunk per step; past this, the draft's context restarts
+    # at the oldest position kept (see _sync), which costs acceptance, never exactness.
+    max_unfed = 256
+
     def observe(self, seqs: list, starts: list[int], counts: list[int], hidden: mx.array) -> None:
         """A target forward computed positions starts[j] .. starts[j] + counts[j] - 1 of seqs[j]."""
         for j, (seq, start, n) in enumerate(zip(seqs, starts, counts)):
@@ -212,6 +220,8 @@ class FeatureDrafter:
             if chunks and chunks[-1][0] + chunks[-1][1].shape[0] > start:
                 chunks[-1][1] = chunks[-1][1][: start - chunks[-1][0]]
             chunks.append([start, hidden[j, :n]])
+            while len(chunks) > 1 and start + n - (chunks[1][0]) >= self.max_unfed:
+                chunks.pop(0)
 
     def _features(self, rid: str, end: int) -> tuple[int, list]:
         """(first position, pieces) of the contiguous run of features that ends at `end` (exclusive)."""

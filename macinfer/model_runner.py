@@ -59,6 +59,7 @@ class ModelRunner:
         # A feature draft (macinfer.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
         self._body = self._head = None
+        self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
 
     def set_hidden_sink(self, sink) -> None:
         """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
@@ -71,7 +72,14 @@ class ModelRunner:
         """The final hidden states (B, L, D) of a forward, reported to the sink."""
         h = self._body(tokens, cache=self.caches)
         self.hidden_sink(seqs, starts, counts, h)
+        # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
+        # still reads the pools, and a later write to them would then copy every pool.
+        self._hidden_out.append(h)
         return h
+
+    def _take_hidden(self) -> list[mx.array]:
+        out, self._hidden_out = self._hidden_out, []
+        return out
 
     @property
     def kv_bytes(self) -> int:
@@ -154,7 +162,7 @@ class ModelRunner:
             sampled = mx.concatenate([mx.argmax(logits[j: j + 1], axis=-1) if s.sampler.params.greedy
                                       else s.sampler(logits[j: j + 1]) for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
-        mx.async_eval(sampled, [c.state for c in self.caches])
+        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden())
         return sampled
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
@@ -195,7 +203,7 @@ class ModelRunner:
                 from macinfer.spec_decode import verify_rows
 
                 verified += verify_rows(group, rows, self._forward(rows, all_logits=True))
-                mx.eval([v for _, v in verified] + [c.state for c in self.caches])  # see the NOTE below
+                mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
                 continue
             logits = self._forward(rows)  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
@@ -210,7 +218,7 @@ class ModelRunner:
             # pools are updated in place only while no other array shares their
             # buffer; a later forward chained onto this one's lazy pool views would
             # copy every pool instead (measured: seconds per step on a 256 MB pool).
-            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches])
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden())
         out: list[int | None] = [None] * len(scheduled)
         for idx, ids in pending:
             for i, t in zip(idx, ids.tolist()):

@@ -165,7 +165,7 @@ class SpecDecoder:
         self.pooled = _Acceptance(accepted=2.0, tried=4.0)  # starts at 0.5
         self.step_cost = StepCost()
         self._draft_s = 0.0  # time spent drafting in the current step
-        self._asked: set[str] = set()  # requests the drafter was asked to draft for this step
+        self._declined: set[str] = set()  # requests the drafter was asked to draft for and did not
         self.last_k = 0
         # Async scheduling (wants_sync): a plan made with a step in flight is carried out by the
         # next step; plans judged on stale tokens can be wrong (an n-gram match the pending token
@@ -277,9 +277,12 @@ class SpecDecoder:
                 self._plan_backoff = self._plan_penalty
                 self._plan_penalty = min(2 * self._plan_penalty, 64)
         self._draft_s = 0.0
-        self._asked = {s.request_id for s, o in zip(decodes, offers) if min(K, o) > 0}
+        self._declined = set()
         if K > 0:
             self.drafter.propose(decodes, [min(K, o) for o in offers])
+            # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
+            # of its first token), as opposed to drafts dropped later for room.
+            self._declined = {s.request_id for s, o in zip(decodes, offers) if o > 0 and not s.spec_token_ids}
         self._draft_s = time.perf_counter() - t0
 
     def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:
@@ -308,7 +311,7 @@ class SpecDecoder:
                 self.remove(s.seq.request_id)
             k = s.num_spec_tokens
             if not k:
-                if s.seq.request_id in self._asked and not s.seq.is_finished:
+                if s.seq.request_id in self._declined and not s.seq.is_finished:
                     # Asked and declined (a feature draft unsure of its first token): the draft
                     # round cost time and bought nothing, like a rejected draft.
                     self.acceptance.setdefault(s.seq.request_id, _Acceptance()).tried += 1

@@ -122,10 +122,11 @@ def test_preemption_and_no_leak(fm):
     engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=18,
                        draft=str(fm["draft"]), num_speculative_tokens=4, adaptive_speculation=False,
                        enable_prefix_cache=False)
-    checked(engine, fm, script=True)
+    seen = checked(engine, fm, script=True)
+    engine.spec.drafter.max_unfed = 3  # a prompt longer than that: the draft starts after its start
     params = SamplingParams(max_tokens=MAX_TOKENS)
     out = run(engine, [(0, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0 and seen["round0"] > 20
     for i, want in enumerate(fm["want"]):
         assert out[f"r{i}"].token_ids == want, i
     assert_all_free(engine)
@@ -161,14 +162,24 @@ def test_a_draft_that_always_declines_is_soon_not_asked(fm):
     d.min_joint = 1.1  # never sure enough
     # Costs that make drafting look worth it (1 ms steps + 0.1 ms per token, free draft rounds),
     # so only the declines can turn it off.
-    observe = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+    cost = engine.spec.step_cost.observe
+    engine.spec.step_cost.observe = lambda tokens, seconds: cost(tokens, 1e-3 + 1e-4 * tokens)
     engine.spec.draft_round_seconds = lambda: 0.0
-    calls = []
-    propose = d.propose
+    calls, spans = [], []
+    propose, observe = d.propose, d.observe
     d.propose = lambda seqs, ks: (calls.append(engine.spec.step_cost.ready), propose(seqs, ks))
+
+    def observe_(seqs, starts, counts, h):
+        observe(seqs, starts, counts, h)
+        chunks = d.feats[seqs[0].request_id]
+        spans.append(chunks[-1][0] + chunks[-1][1].shape[0] - chunks[0][0])
+
+    d.observe = observe_
+    engine.runner.hidden_sink = observe_
+    d.max_unfed = 3  # features kept while nothing is drafted: bounded
     out = run(engine, [(0, fm["prompts"][1], SamplingParams(max_tokens=40, ignore_eos=True), "r")])
     want = mlx_lm_greedy(fm["path"], fm["prompts"][1], 40)
     assert out["r"].token_ids == want and out["r"].metrics.draft_tokens == 0
     assert 0 < len(calls) < 20, len(calls)  # only now and then in 40 steps (35 without the accounting)
+    assert max(spans[-20:]) <= 3 + 1 and max(spans) <= len(fm["prompts"][1]) + 3, spans
     assert engine.spec.alpha("r") < 0.5 or "r" not in engine.spec.acceptance
