@@ -53,6 +53,15 @@ class Drafter(Protocol):
         """Forget a request (finished or preempted): free whatever it holds."""
 
 
+def draft_pick(seq: Sequence, logits: mx.array):
+    """(drafted token, q) for one row, both lazy: greedy takes the argmax (q None); a sampled
+    draft draws from q, the distribution the verifier's rejection sampling must be given."""
+    if seq.sampler.params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = seq.sampler.probs(logits)
+    return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
+
+
 class NgramDrafter:
     """Prompt-lookup drafting from the sequence's own tokens.
 
@@ -189,12 +198,10 @@ class DraftModelDrafter:
                 logits = self.runner._forward(sched)  # (B, V): each row's next-token logits
                 picks = []
                 for j, (seq, _) in enumerate(group):
-                    if seq.sampler.params.greedy:
-                        picks.append(mx.argmax(logits[j], axis=-1))
-                    else:
-                        q = seq.sampler.probs(logits[j])  # (V,) what the draft samples from
+                    tok, q = draft_pick(seq, logits[j])
+                    if q is not None:
                         probs.setdefault(seq.request_id, []).append(q)
-                        picks.append(mx.random.categorical(mx.log(q), key=seq.sampler.next_key()))
+                    picks.append(tok)
                 picks = mx.stack(picks)
                 mx.eval(picks, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
                 for s, (seq, st), tok in zip(sched, group, picks.tolist()):

@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.block_pool import BlockPool
+from macinfer.drafter import draft_pick
 from macinfer.errors import MacinferError
 from macinfer.sequence import Sequence
 
@@ -223,19 +224,18 @@ class FeatureDrafter:
             while len(chunks) > 1 and start + n - (chunks[1][0]) >= self.max_unfed:
                 chunks.pop(0)
 
-    def _features(self, rid: str, end: int) -> tuple[int, list]:
-        """(first position, pieces) of the contiguous run of features that ends at `end` (exclusive)."""
-        chunks = self.feats.get(rid, [])
-        pieces, pos = [], end
-        for start, arr in reversed(chunks):
+    def _features(self, rid: str, end: int) -> list[list]:
+        """The contiguous run of feature chunks that ends at `end` (exclusive), clipped to it."""
+        run, pos = [], end
+        for start, arr in reversed(self.feats.get(rid, [])):
             stop = min(start + arr.shape[0], end)
             if stop < pos or start >= stop:  # a gap, or a chunk past end
                 if start >= end:
                     continue
                 break
-            pieces.append(arr[: stop - start])
+            run.append([start, arr[: stop - start]])
             pos = start
-        return pos, pieces[::-1]
+        return run[::-1]
 
     # -- drafting -------------------------------------------------------------------------
     def available(self, seq: Sequence, k: int) -> int:
@@ -244,7 +244,8 @@ class FeatureDrafter:
     def _sync(self, seq: Sequence):
         """Roll back last step's drafted rows; -> (state, features (L, D), tokens) of the rows to feed now."""
         rid, end = seq.request_id, seq.num_computed_tokens  # features exist below end
-        first, pieces = self._features(rid, end)
+        chunks = self._features(rid, end)
+        first = chunks[0][0] if chunks else end
         st = self.states.get(rid)
         if st is not None:
             st.num_computed_tokens = st.true_rows
@@ -256,19 +257,10 @@ class FeatureDrafter:
         if st is None:
             st = self.states[rid] = _FeatState(rid, first)
         nxt = st.base + st.true_rows
-        # Keep only what is still to be fed.
-        self.feats[rid] = [[s, a] for s, a in zip(self._starts(first, pieces), pieces)]
-        feats = mx.concatenate(pieces, axis=0)[nxt - first:] if pieces else None
+        self.feats[rid] = chunks  # only what can still be fed
+        feats = mx.concatenate([a for _, a in chunks], axis=0)[nxt - first:] if chunks else None
         tokens = seq.token_ids[nxt + 1: end + 1]
         return st, feats, tokens
-
-    @staticmethod
-    def _starts(first: int, pieces: list) -> list[int]:
-        out, pos = [], first
-        for a in pieces:
-            out.append(pos)
-            pos += a.shape[0]
-        return out
 
     def _run(self, sts: list[_FeatState], tokens: list[list[int]], feats: list[mx.array]) -> mx.array:
         """One draft forward: rows padded at the end to the longest -> each row's last f^ (B, D)."""
@@ -293,13 +285,7 @@ class FeatureDrafter:
             return out[:, -1]
         return out[mx.arange(len(tokens)), mx.array([len(t) - 1 for t in tokens])]
 
-    @staticmethod
-    def _pick(seq: Sequence, logits: mx.array):
-        """(drafted token, q) for one row, both lazy; q (what a sampled draft drew from) is None for greedy."""
-        if seq.sampler.params.greedy:
-            return mx.argmax(logits, axis=-1), None
-        q = seq.sampler.probs(logits)  # what the draft samples from: the verifier's q
-        return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
+    _pick = staticmethod(draft_pick)  # (drafted token, q or None), as DraftModelDrafter picks
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
         """Draft up to num_draft[i] tokens per row; a row's chain stops early where the draft is unsure.

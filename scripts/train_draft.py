@@ -489,24 +489,29 @@ A speculative-decoding draft for the embedded SmolLM2-135M-Instruct (macinfer's 
 # ----------------------------------------------------------------------------------------------
 
 
+def length_groups(rows: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled groups of sequence indices, each padding to about batch_tokens rows
+    (rows[i]: sequence i's row count), bucketed by length within windows of 64 for less padding."""
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    order = sum((sorted(order[i:i + 64], key=lambda j: rows[j]) for i in range(0, len(order), 64)), [])
+    groups, cur = [], []
+    for j in order:
+        cur.append(j)
+        if max(rows[i] for i in cur) * len(cur) >= batch_tokens:
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    return groups
+
+
 def make_batches(seqs, batch_tokens: int, rng: random.Random, prompt_weight: float):
     """Pack sequences (sorted-ish by length) into right-padded batches of ~batch_tokens tokens."""
     import numpy as np
 
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    # bucket by length within windows of 64 for less padding
-    order = sum((sorted(order[i:i + 64], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 64)), [])
-    batches, cur = [], []
-    for j in order:
-        cur.append(j)
-        L = max(len(seqs[i][0]) for i in cur) - 1
-        if L * len(cur) >= batch_tokens:
-            batches.append(cur)
-            cur = []
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
+    batches = length_groups([len(s[0]) - 1 for s in seqs], batch_tokens, rng)
     out = []
     for b in batches:
         L = max(len(seqs[i][0]) for i in b) - 1

@@ -157,18 +157,7 @@ def make_batches(seqs, batch_tokens: int, rng: random.Random, prompt_weight: flo
     """
     import numpy as np
 
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    order = sum((sorted(order[i:i + 64], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 64)), [])
-    groups, cur = [], []
-    for j in order:
-        cur.append(j)
-        if (max(len(seqs[i][0]) for i in cur) - 2) * len(cur) >= batch_tokens:
-            groups.append(cur)
-            cur = []
-    if cur:
-        groups.append(cur)
-    rng.shuffle(groups)
+    groups = td.length_groups([len(s[0]) - 2 for s in seqs], batch_tokens, rng)
     out = []
     for b in groups:
         L = max(len(seqs[i][0]) for i in b) - 2
