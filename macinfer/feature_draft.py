@@ -102,6 +102,9 @@ def load_feature_draft(path: Path, target_model) -> FeatureDraft:
     from macinfer.draft_model import SubsetHead, _embedding_rows_and_dim, _target_names
 
     path = Path(path)
+    if not is_feature_draft(path):
+        raise MacinferError(f"{path} is not a feature draft (a directory whose config.json has "
+                            "macinfer_draft.kind = \"feature\")")
     cfg = json.loads((path / "config.json").read_text())
     embed, head = _target_names(target_model)
     rows, dim = _embedding_rows_and_dim(embed)

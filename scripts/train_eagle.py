@@ -433,7 +433,12 @@ def main():
     args = ap.parse_args()
     if args.eval_prompts < 1 or args.minutes <= 0:
         ap.error("--eval-prompts and --minutes must be positive")
-    {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval}[args.stage](args)
+    from macinfer.errors import MacinferError
+
+    try:
+        {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval}[args.stage](args)
+    except MacinferError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

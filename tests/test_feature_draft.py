@@ -21,7 +21,8 @@ from test_spec_decode import TEXTS, run
 from macinfer.draft_model import load_draft, save_draft
 from macinfer.engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.feature_draft import FeatureDraft, FeatureDrafter, feature_draft_config, split_head
+from macinfer.feature_draft import (FeatureDraft, FeatureDrafter, feature_draft_config, load_feature_draft,
+                                    split_head)
 from macinfer.sampling import SamplingParams
 
 MAX_TOKENS = 20
@@ -143,6 +144,9 @@ def test_bad_drafts_are_refused(fm, tiny_models, tmp_path):
     mx.save_safetensors(str(broken / "model.safetensors"), {k: v for k, v in w.items() if not k.startswith("fc.")})
     with pytest.raises(MacinferError, match="incomplete"):
         load_draft(str(broken), fm["model"], fm["tok"])
+
+    with pytest.raises(MacinferError, match="is not a feature draft"):
+        load_feature_draft(tmp_path / "missing", fm["model"])
 
     class Scaled(type(fm["model"])):  # logits that are not lm_head(hidden state)
         def __call__(self, inputs, cache=None, input_embeddings=None):
