@@ -112,7 +112,8 @@ def stats_line(s: dict) -> str:
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Recompute the whole prompt: no reuse of a prefix cached in memory or on disk.")
-@click.option("--draft", metavar="MODEL|ngram", help="Speculative decoding with a draft model or n-gram lookup.")
+@click.option("--draft", metavar="MODEL|ngram|MODEL+ngram|auto",
+              help="Speculative decoding with a draft model, n-gram lookup, both, or the model's shipped draft.")
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
@@ -131,9 +132,10 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     Speculative decoding (exact: greedy output is unchanged, sampling keeps the
     model's distribution; k adapts to measured acceptance and costs): --draft
     ngram drafts from the prompt itself (editing, quoting), --draft MODEL uses a
-    small model with the same tokenizer, --draft auto the draft shipped for the
-    model. Off by default (with drafts, a --seed run is not reproducible: k
-    depends on timing).
+    small model with the same tokenizer, --draft MODEL+ngram looks up where the
+    text repeats itself and asks the model elsewhere, --draft auto is the draft
+    shipped for the model with lookup (smollm2-135m+ngram). Off by default
+    (with drafts, a --seed run is not reproducible: k depends on timing).
 
     \b
     Examples:
@@ -141,6 +143,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
       macinfer run ./SmolLM2-135M-Instruct.Q4_1.gguf "Tell me a joke" --temp 0.7 --seed 1
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
+      macinfer run --draft auto --dequantize "List ten fruits, one per line."
     """
     from macinfer.sampling import SamplingParams
 

@@ -101,8 +101,9 @@ class EngineConfig:
         prefix_cache_disk_bytes: size limit of the persistent tier (all models together).
         draft: speculative decoding (macinfer.spec_decode): "ngram" (prompt lookup), a
             draft model (shipped draft name, path, catalog name, repo id, or a loaded
-            mlx-lm model sharing the tokenizer), "auto" (the draft shipped for this
-            model, if any), or None for none.
+            mlx-lm model sharing the tokenizer), "<draft model>+ngram" (lookup where the
+            text repeats itself, the model elsewhere), "auto" (the draft shipped for this
+            model, if any, with lookup), or None for none.
         num_speculative_tokens: the most tokens drafted per sequence per step.
         adaptive_speculation: pick k each step from measured acceptance and costs
             (False: always draft num_speculative_tokens).

@@ -21,12 +21,15 @@ choice is K per step, from the requests' tracked acceptance and measured costs:
     step time                  T(K)   = A + b * B * (1 + K) + D * K
     K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
 
-a_i is request i's acceptance rate (decayed counts, with the drafter's pooled
-rate as prior); A + b * tokens is the measured cost of a decode step (a linear
-fit over recent decode-only steps, forgetting old ones), D the measured cost of
-one draft-model round (0 for n-gram). offer_i is what the drafter can propose
-(an n-gram drafter often has nothing). Counts decay while a request does not
-draft, so its estimate drifts back to the prior and it probes again now and then.
+a_i is request i's acceptance rate for the kind of draft it would get now
+(decayed counts, with the drafter's pooled rate for that kind as prior; a drafter
+may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the
+measured cost of a decode step (a linear fit over recent decode-only steps,
+forgetting old ones), D the measured cost of one draft-model round (0 for n-gram,
+and when no row would draft with the model). offer_i is what the drafter can
+propose (an n-gram drafter often has nothing, or a short match). Counts decay while
+a request does not draft, so its estimate drifts back to the prior and it probes
+again now and then.
 """
 
 from __future__ import annotations
@@ -161,8 +164,11 @@ class SpecDecoder:
         self.block_pool = block_pool
         self.max_k = num_speculative_tokens
         self.adaptive = adaptive
-        self.acceptance: dict[str, _Acceptance] = {}
-        self.pooled = _Acceptance(accepted=2.0, tried=4.0)  # starts at 0.5
+        # Decayed counts per (request, kind of draft) and pooled per kind: kinds are the
+        # drafter's (`kind(seq)`, e.g. an n-gram match-length bucket), "" if it has none.
+        self.acceptance: dict[tuple[str, str], _Acceptance] = {}
+        self.pooled: dict[str, _Acceptance] = {}
+        self._kinds: dict[str, str] = {}  # request -> the kind it drafted this step
         self.step_cost = StepCost()
         self._draft_s = 0.0  # time spent drafting in the current step
         self._declined: set[str] = set()  # requests the drafter was asked to draft for and did not
@@ -174,10 +180,33 @@ class SpecDecoder:
         self._plan_backoff, self._plan_penalty = 0, 1
 
     # -- acceptance -------------------------------------------------------------------
-    def alpha(self, request_id: str) -> float:
-        pool = self.pooled.accepted / max(self.pooled.tried, 1e-9)
-        a = self.acceptance.get(request_id, _Acceptance())
-        return (a.accepted + self.PRIOR * pool) / (a.tried + self.PRIOR)
+    def kind(self, seq: Sequence) -> str:
+        fn = getattr(self.drafter, "kind", None)
+        return fn(seq) if fn is not None else ""
+
+    def _prior(self, kind: str) -> float:
+        fn = getattr(self.drafter, "prior", None)
+        return fn(kind) if fn is not None else 0.5
+
+    def _pool(self, kind: str) -> _Acceptance:
+        pool = self.pooled.get(kind)
+        if pool is None:  # starts at the drafter's prior for this kind, worth 4 drafts
+            pool = self.pooled[kind] = _Acceptance(accepted=4.0 * self._prior(kind), tried=4.0)
+        return pool
+
+    def alpha(self, request_id: str, kind: str = "") -> float:
+        pool = self._pool(kind)
+        a = self.acceptance.get((request_id, kind), _Acceptance())
+        return (a.accepted + self.PRIOR * pool.accepted / max(pool.tried, 1e-9)) / (a.tried + self.PRIOR)
+
+    def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True) -> None:
+        if own:
+            a = self.acceptance.setdefault((request_id, kind), _Acceptance())
+            a.accepted += accepted
+            a.tried += tried
+        pool = self._pool(kind)
+        pool.accepted += accepted
+        pool.tried += tried
 
     def draft_round_seconds(self) -> float:
         """One draft-model round (the drafter's measurement; until then a quarter of a step); 0 for n-gram."""
@@ -186,8 +215,18 @@ class SpecDecoder:
         measured = getattr(self.drafter, "round_s", None)
         return measured if measured is not None else 0.25 * self.step_cost(1)
 
-    def choose_k(self, alphas: list[float], offers: list[int]) -> int:
-        """The K that maximises expected tokens per second this step (see module docstring)."""
+    def _rounds(self, seqs: list[Sequence], offers: list[int]) -> bool:
+        """Whether drafting for these rows runs the draft model (a hybrid drafter may look up instead)."""
+        uses = getattr(self.drafter, "uses_model", None)
+        if uses is None:
+            return self.drafter.has_model
+        return any(o > 0 and uses(s) for s, o in zip(seqs, offers))
+
+    def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True) -> int:
+        """The K that maximises expected tokens per second this step (see module docstring).
+
+        rounds: False if no row would draft with the model (no draft-round cost).
+        """
         if not self.adaptive:
             return self.max_k
         if not self.step_cost.ready:
@@ -196,7 +235,7 @@ class SpecDecoder:
         best_k, best = 0, 0.0
         for K in range(0, max(offers, default=0) + 1):
             tokens = sum(expected_tokens(a, min(K, o)) for a, o in zip(alphas, offers))
-            seconds = self.step_cost(B * (1 + K)) + self.draft_round_seconds() * K
+            seconds = self.step_cost(B * (1 + K)) + (self.draft_round_seconds() * K if rounds else 0.0)
             if tokens / seconds > best * (1 + 1e-6):
                 best_k, best = K, tokens / seconds
         return best_k
@@ -205,13 +244,14 @@ class SpecDecoder:
     def _tick(self, running: list[Sequence]) -> None:
         """Once per step: forget finished requests, decay the acceptance counts."""
         live = {s.request_id for s in running}
-        for rid in [r for r in self.acceptance if r not in live]:
+        for rid in {r for r, _ in self.acceptance if r not in live}:
             self.remove(rid)
         for a in self.acceptance.values():
             a.accepted *= self.DECAY
             a.tried *= self.DECAY
-        self.pooled.accepted = self.POOL_DECAY * self.pooled.accepted + (1 - self.POOL_DECAY) * 0.5
-        self.pooled.tried = self.POOL_DECAY * self.pooled.tried + (1 - self.POOL_DECAY)
+        for kind, pool in self.pooled.items():  # drifts back to the prior while unused
+            pool.accepted = self.POOL_DECAY * pool.accepted + (1 - self.POOL_DECAY) * self._prior(kind)
+            pool.tried = self.POOL_DECAY * pool.tried + (1 - self.POOL_DECAY)
 
     def plan_k(self, seqs: list[Sequence], pending: bool) -> int:
         """The K the next step would draft for these decode rows, without drafting anything.
@@ -226,7 +266,8 @@ class SpecDecoder:
         last = 2 if pending else 1  # a row never drafts past its max_tokens
         caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
-        return self.choose_k([self.alpha(s.request_id) for s in seqs], offers)
+        alphas = [self.alpha(s.request_id, self.kind(s)) for s in seqs]
+        return self.choose_k(alphas, offers, self._rounds(seqs, offers))
 
     def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
         """Whether the next step should be synchronous so that it can draft for these rows.
@@ -266,7 +307,9 @@ class SpecDecoder:
         # A row never drafts past its max_tokens (the last token needs no draft).
         caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - 1) for s in decodes]
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(decodes, caps)]
-        K = self.choose_k([self.alpha(s.request_id) for s in decodes], offers) if decodes else 0
+        kinds = [self.kind(s) for s in decodes]
+        K = self.choose_k([self.alpha(s.request_id, kd) for s, kd in zip(decodes, kinds)], offers,
+                          self._rounds(decodes, offers)) if decodes else 0
         self.last_k = K
         self._draft_next = False  # this step drafts (or not) on the tokens known now
         if self._planned:
@@ -278,6 +321,7 @@ class SpecDecoder:
                 self._plan_penalty = min(2 * self._plan_penalty, 64)
         self._draft_s = 0.0
         self._declined = set()
+        self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
         if K > 0:
             self.drafter.propose(decodes, [min(K, o) for o in offers])
             # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
@@ -307,6 +351,7 @@ class SpecDecoder:
             if s.num_new_tokens - s.num_spec_tokens != 1 or toks is None:
                 decode_only = False
             width = max(width, s.num_new_tokens)
+            kind = self._kinds.get(s.seq.request_id, "")  # what drafted for it this step
             if s.seq.is_finished:  # its target blocks are free already: free the drafter's too
                 self.remove(s.seq.request_id)
             k = s.num_spec_tokens
@@ -314,20 +359,14 @@ class SpecDecoder:
                 if s.seq.request_id in self._declined and not s.seq.is_finished:
                     # Asked and declined (a feature draft unsure of its first token): the draft
                     # round cost time and bought nothing, like a rejected draft.
-                    self.acceptance.setdefault(s.seq.request_id, _Acceptance()).tried += 1
-                    self.pooled.tried += 1
+                    self._record(s.seq.request_id, kind, 0.0, 1.0)
                 continue
             accepted = len(toks) - 1
             if not s.seq.is_finished:
                 s.seq.num_computed_tokens += accepted
                 self.block_pool.trim(s.seq, s.seq.num_tokens)
             tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
-            if not s.seq.is_finished:
-                a = self.acceptance.setdefault(s.seq.request_id, _Acceptance())
-                a.accepted += accepted
-                a.tried += tried
-            self.pooled.accepted += accepted
-            self.pooled.tried += tried
+            self._record(s.seq.request_id, kind, accepted, tried, own=not s.seq.is_finished)
             m = s.seq.metrics
             m.draft_tokens += k
             m.accepted_tokens += accepted
@@ -336,7 +375,9 @@ class SpecDecoder:
             self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
 
     def remove(self, request_id: str) -> None:
-        self.acceptance.pop(request_id, None)
+        for key in [key for key in self.acceptance if key[0] == request_id]:
+            del self.acceptance[key]
+        self._kinds.pop(request_id, None)
         self.drafter.remove(request_id)
 
 
@@ -354,11 +395,16 @@ def shipped_draft_for(model_name: str | None) -> str | None:
 def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int, runner=None) -> Drafter:
     """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter.
 
-    A feature draft (macinfer.feature_draft) also needs the target's ModelRunner (`runner`),
-    whose forwards hand it their hidden states.
+    "<model spec>+ngram" drafts by n-gram lookup where the sequence copies itself and with the
+    model elsewhere (drafter.LookupDrafter). A feature draft (macinfer.feature_draft) also needs
+    the target's ModelRunner (`runner`), whose forwards hand it their hidden states.
     """
     if isinstance(draft, str) and draft.lower() == "ngram":
         return NgramDrafter()
+    if isinstance(draft, str) and draft.lower().endswith("+ngram") and draft[: -len("+ngram")]:
+        from macinfer.drafter import LookupDrafter
+
+        return LookupDrafter(make_drafter(draft[: -len("+ngram")], model, tokenizer, num_blocks, block_size, runner))
     if hasattr(draft, "propose") and hasattr(draft, "available"):
         return draft  # a Drafter already
     name = "draft"
@@ -382,11 +428,13 @@ def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_bloc
                       block_pool, runner=None) -> SpecDecoder | None:
     """The engine's SpecDecoder for EngineConfig `config`, or None without a draft.
 
-    draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS), or none.
+    draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS) with n-gram lookup
+    ("<name>+ngram"), or none.
     """
     draft = config.draft
     if isinstance(draft, str) and draft == "auto":
         draft = shipped_draft_for(model_name)
+        draft = draft and draft + "+ngram"
     if draft is None:
         return None
     drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size, runner)

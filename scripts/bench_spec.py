@@ -9,10 +9,13 @@ decoding measured in the same run, the configurations interleaved per prompt:
      its input, and a random-text prompt (sampled at temperature 1, where no
      drafter can guess: adaptive k must keep it at ~1x). macinfer with no
      draft / n-gram / the shipped feature draft ("feature", EAGLE-style: it
-     reads the target's hidden states, which mlx-lm cannot give it) / the shipped
-     token draft ("tokens", a small mlx-lm model), and mlx-lm's stream_generate
-     without and with that same token draft (`draft_model=`, fixed k);
-  2. 8 concurrent requests (continuous batching), with vs without speculation.
+     reads the target's hidden states, which mlx-lm cannot give it) / the
+     default "auto" (that feature draft plus n-gram lookup where the text
+     repeats itself) / the shipped token draft ("tokens", a small mlx-lm
+     model), and mlx-lm's stream_generate without and with that same token
+     draft (`draft_model=`, fixed k);
+  2. 8 concurrent requests (continuous batching), with vs without speculation
+     (medians of --reps too).
 
 Usage:
     python scripts/bench_spec.py                     # ~10 min on 2 shared cores
@@ -111,6 +114,7 @@ def main():
         "plain": LLMEngine(model, tok, info, **opts),
         "ngram": LLMEngine(model, tok, info, draft="ngram", **opts),
         "feature": LLMEngine(model, tok, info, draft="smollm2-135m", **opts),
+        "auto": LLMEngine(model, tok, info, draft="auto", **opts),
         "tokens": LLMEngine(model, tok, info, draft=draft, **opts),
     }
     drafters = [k for k in engines if k != "plain"]
@@ -151,11 +155,17 @@ def main():
     if not args.quick:
         prompts = [chat_ids(tok, t) for t in (CHAT * 3)[:8]]
         print("\n8 concurrent requests (chat prompts, greedy), aggregate decode tok/s:")
-        rates = {}
+        runs, accs = {k: [] for k in engines}, {k: [] for k in engines}
+        for r in range(args.reps):
+            keys = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
+            for key in keys:
+                outs, rate = run_engine(engines[key], prompts, greedy)
+                runs[key].append(rate)
+                accs[key] += [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+        rates = {k: statistics.median(v) for k, v in runs.items()}
         for key in engines:
-            outs, rates[key] = run_engine(engines[key], prompts, greedy)
-            acc = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
-            print(f"  {key:6} {rates[key]:7.1f} tok/s ({rates[key] / rates['plain']:.2f}x)"
+            acc = accs[key]
+            print(f"  {key:8} {rates[key]:7.1f} tok/s ({rates[key] / rates['plain']:.2f}x)"
                   + (f", mean acceptance {sum(acc) / len(acc):.2f}" if acc else ""), flush=True)
 
 

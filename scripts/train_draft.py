@@ -240,11 +240,14 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
 
 
-def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: float, eos: set[int], seed: int):
+def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: float, eos: set[int], seed: int,
+                   features: bool = False):
     """Left-padded batched continuation; returns per sequence (tokens, n_prompt, topk_idx, topk_lp).
 
     topk_* hold, for every position j of the returned token list (j < len-1), the target's
     top-K next-token log-probs given tokens[:j+1]; so row j labels token j+1.
+    With features, each tuple also ends with the target's final (post-norm) hidden state at
+    every position, float16 (n, D): what ``train_eagle.py feats`` would compute, for free.
     """
     import mlx.core as mx
     import numpy as np
@@ -264,9 +267,22 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
         order = mx.argsort(-vals, axis=-1)
         return mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
 
-    logits = model(x, cache=cache)
+    if features:
+        from macinfer.feature_draft import split_head
+
+        body, head = split_head(model)
+
+        def forward(inp):  # the logits, keeping the hidden states the head read
+            h = body(inp, cache=cache)
+            feats.append(h.astype(mx.float16))
+            return head(h)
+    else:
+        def forward(inp):
+            return model(inp, cache=cache)
+    feats: list = []
+    logits = forward(x)
     pi, pl = topk(logits)
-    mx.eval(pi, pl)
+    mx.eval(pi, pl, feats)
     pi, pl = np.array(pi), np.array(pl)
     step_i, step_l, toks = [], [], []
     last = logits[:, -1, :]
@@ -282,10 +298,10 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
         done |= np.isin(nxt_np, list(eos))
         if done.all() or step == max_new - 1:
             break
-        logits = model(nxt[:, None], cache=cache)
+        logits = forward(nxt[:, None])
         i, l = topk(logits)
         last = logits[:, -1, :]
-        mx.eval(i, l, last)
+        mx.eval(i, l, last, feats[-1:])
         step_i.append(np.array(i)[:, 0])
         step_l.append(np.array(l)[:, 0])
     toks = np.stack(toks, 1)  # (B, n)
@@ -305,7 +321,14 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
         ti = np.concatenate([pi[b, pads[b]:], gi[b, : n_gen - 1]], 0)
         tl = np.concatenate([pl[b, pads[b]:], gl[b, : n_gen - 1]], 0)
         assert ti.shape[0] == len(seq) - 1, (ti.shape, len(seq))
-        out.append((np.array(seq, np.int32), n_p, ti.astype(np.int32), tl.astype(np.float16)))
+        row = (np.array(seq, np.int32), n_p, ti.astype(np.int32), tl.astype(np.float16))
+        if features:  # prefill (left-padded) then one step per generated token; the last is never fed
+            f = [np.array(feats[0][b, pads[b]:])] + [np.array(g[b]) for g in feats[1: n_gen]]
+            f.append(np.zeros_like(f[0][:1]))  # the last token is never fed (train_eagle never reads its row)
+            f = np.concatenate(f, 0)
+            assert f.shape[0] == len(seq), (f.shape, len(seq))
+            row += (f,)
+        out.append(row)
     return out
 
 
@@ -333,8 +356,13 @@ def cmd_data(args):
                 continue
             chunk = prompts[s: s + args.batch]
             ids = [chat_ids(tokenizer, p) for p in chunk]
-            res = generate_batch(model, ids, args.max_new, temp, eos, seed=SEED + s)
+            res = generate_batch(model, ids, args.max_new, temp, eos, seed=SEED + s, features=args.features)
             lens = [len(r[0]) for r in res]
+            if args.features:  # train_eagle.py's feats file, written first: a shard implies its features
+                feats = np.concatenate([r[4] for r in res])
+                ftmp = CACHE / f"feats-{shard.stem}.tmp.npy"
+                np.save(ftmp, feats)
+                os.replace(ftmp, CACHE / f"feats-{shard.stem}.npy")
             tmp = shard.with_suffix(".tmp.npz")
             np.savez(
                 tmp,
@@ -724,6 +752,8 @@ def main():
     ap.add_argument("--batch", type=int, default=24, help="generation batch")
     ap.add_argument("--only", default="", help="comma list of data jobs: heldout,train-greedy,train-t07")
     ap.add_argument("--reverse", action="store_true", help="generate batches last-first")
+    ap.add_argument("--features", action="store_true",
+                    help="data: also store the target's hidden states (train_eagle.py's feats stage, for free)")
     ap.add_argument("--no-sampled", dest="sampled", action="store_false",
                     help="skip the temperature-0.7 continuations")
     ap.add_argument("--layers", default="0,1,2,29", help="target layers the draft starts from")

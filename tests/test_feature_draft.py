@@ -186,4 +186,40 @@ def test_a_draft_that_always_declines_is_soon_not_asked(fm):
     assert out["r"].token_ids == want and out["r"].metrics.draft_tokens == 0
     assert 0 < len(calls) < 20, len(calls)  # only now and then in 40 steps (35 without the accounting)
     assert max(spans[-20:]) <= 3 + 1 and max(spans) <= len(fm["prompts"][1]) + 3, spans
-    assert engine.spec.alpha("r") < 0.5 or "r" not in engine.spec.acceptance
+    assert engine.spec.alpha("r") < 0.5 or ("r", "") not in engine.spec.acceptance
+
+
+def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
+    """draft="<feature draft>+ngram": rows whose text repeats draft by lookup, the others with the
+    feature draft, in the same steps; the output is still mlx-lm's, and nothing is left behind."""
+    from mlx.utils import tree_map
+    from mlx_lm.generate import generate_step
+
+    from macinfer.drafter import LookupDrafter
+
+    model, tok = mlx_lm.load(str(tiny_models("llama")))
+    model.update(tree_map(lambda w: w * 0.3 if w.ndim > 1 else w, model.parameters()))  # repeats itself
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=32)] for p in fm["prompts"]]
+    engine = LLMEngine(model, tok, None, max_model_len=256, block_size=4, num_blocks=80,
+                       draft=f"{fm['draft']}+ngram", num_speculative_tokens=3, adaptive_speculation=False)
+    d = engine.spec.drafter
+    assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name.endswith("+ngram")
+    d.model.min_joint = 0.0  # a random draft is never sure: let it draft
+    rows = {"lookup": 0, "model": 0}
+    for key, part in (("lookup", d.ngram), ("model", d.model)):
+        def spy(seqs, ks, propose=part.propose, key=key):
+            rows[key] += len(seqs)
+            propose(seqs, ks)
+        part.propose = spy
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
+    for i, w in enumerate(want):
+        assert out[f"r{i}"].token_ids == w, i
+    assert rows["lookup"] > 5 and rows["model"] > 5, rows
+    kinds = set(engine.spec.pooled)
+    assert "model" in kinds and any(k.startswith("ngram:") for k in kinds), kinds
+    engine.step()
+    for pool in (engine.block_pool, d.model.pool):
+        assert not [b for b in pool.blocks[1:] if b.ref_cnt] and pool.req_to_blocks == {}
+    assert d.model.states == {} and d.model.feats == {} and d.ngram._cache == {}
+    assert engine.spec.acceptance == {}

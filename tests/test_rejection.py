@@ -154,3 +154,42 @@ def test_ngram_lookup():
     # The longest n-gram wins, then the latest occurrence.
     assert nd.lookup([7, 2, 3, 8, 1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert nd.lookup([5, 5, 5, 5], 4) == [5]  # a match right before the end offers what is left
+
+
+def test_ngram_offers_as_far_as_the_copy_has_held():
+    """The match is extended backwards to its length m; at most m tokens are offered."""
+    from types import SimpleNamespace
+
+    nd = NgramDrafter()
+    assert nd.match([7, 1, 2, 3, 4, 9, 7, 1, 2, 3], 8) == ([4, 9, 7, 1, 2, 3], 4)
+    # 4-gram "1 2 3 4" also preceded by "5 6" both times: m = 6 (capped by what exists before the hit).
+    toks = [5, 6, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6, 1, 2, 3, 4]
+    assert nd.match(toks, 3) == ([10, 11, 12], 6)
+    assert NgramDrafter(max_match=5).match(toks, 3)[1] == 5
+
+    def seq(tokens, rid="r"):
+        return SimpleNamespace(request_id=rid, token_ids=tokens, num_tokens=len(tokens))
+
+    short = seq([8, 1, 2, 40, 41, 42, 43, 44, 45, 9, 1, 2])  # "1 2" again after 9 vs 8: m = 2
+    assert nd.match_length(short) == 2 and nd.available(short, 8) == 2
+    nd.propose([short], [8])
+    assert short.spec_token_ids == [40, 41] and short.spec_probs is None
+    long = seq(toks, "long")
+    assert nd.available(long, 8) == 6 and nd.available(long, 4) == 4
+    assert [nd.kind(s) for s in (short, long, seq([1, 2, 3], "none"))] == ["ngram:0", "ngram:2", "ngram:0"]
+    assert nd.prior("ngram:3") > nd.prior("ngram:0")
+
+
+def test_acceptance_is_tracked_per_kind_of_draft():
+    """A request's long n-gram matches keep their high rate while its short ones fail."""
+    from macinfer.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(NgramDrafter(), block_pool=None)
+    assert spec.alpha("r", "ngram:3") == NgramDrafter.BUCKETS[3][1]  # the prior before anything is seen
+    for _ in range(5):
+        spec._record("r", "ngram:3", accepted=5, tried=5)
+        spec._record("r", "ngram:0", accepted=0, tried=1)
+    assert spec.alpha("r", "ngram:3") > 0.95 and spec.alpha("r", "ngram:0") < 0.2
+    assert spec.alpha("other", "ngram:0") < NgramDrafter.BUCKETS[0][1]  # the pool learned too
+    spec.remove("r")
+    assert spec.acceptance == {}
