@@ -100,7 +100,7 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
               help="Requests each client sends, back to back.")
 @click.option("--compare", type=click.Choice(["mlx-lm"]), help="Run the same sweep on mlx-lm's BatchGenerator and print ratios.")
 @click.option("--compare-url", help="Run the same sweep against a second server (e.g. mlx_lm.server) and print ratios.")
-@click.option("--draft", help="Also run every scenario with speculation on (a draft model or 'ngram').")
+@click.option("--draft", help="Also run every scenario with speculation on (a draft model, 'ngram', MODEL+ngram or 'auto').")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write latency/throughput and TTFT plots (PNG).")
 @click.option("--kv-memory", help="KV cache budget for the in-process engine, e.g. 2GB.")

@@ -109,6 +109,24 @@ def test_shipped_feature_draft_is_accepted(target):
     assert mx.metal.is_available() or draft.fc.weight.dtype == mx.float32
 
 
+def test_auto_is_the_shipped_draft_with_lookup(target):
+    """draft="auto" for the embedded model: its feature draft, plus n-gram lookup where text repeats."""
+    from types import SimpleNamespace
+
+    from macinfer.drafter import LookupDrafter
+    from macinfer.engine import LLMEngine
+    from macinfer.feature_draft import FeatureDrafter
+
+    model, tokenizer = target
+    info = SimpleNamespace(name="smollm2-135m", context_length=8192)
+    engine = LLMEngine(model, tokenizer, info, kv_memory="32MB", enable_prefix_cache=False, draft="auto")
+    d = engine.spec.drafter
+    assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name == "smollm2-135m+ngram"
+    other = SimpleNamespace(name="some-other-model", context_length=8192)
+    assert LLMEngine(model, tokenizer, other, kv_memory="32MB", enable_prefix_cache=False,
+                     draft="auto").spec is None  # nothing shipped for it
+
+
 def _leaves(m):
     from mlx.utils import tree_flatten
 

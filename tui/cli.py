@@ -16,7 +16,7 @@ import click
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
-@click.option("--draft", help="Speculative decoding drafter: ngram or a draft model (toggle with /spec).")
+@click.option("--draft", help="Speculative decoding drafter: ngram, a draft model, MODEL+ngram or auto (toggle with /spec).")
 @click.option("--no-prefix-cache", is_flag=True, help="Start with the prefix cache off (toggle with /prefix-cache).")
 def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache):
     """Chat with MODEL in a terminal UI that shows live speed and memory figures.
