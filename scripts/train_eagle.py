@@ -15,6 +15,7 @@ Stages (seeded; data from ``train_draft.py data``, cached in ``~/.cache/macinfer
 1. ``feats``: the target (float32, OpenBLAS) runs once over every cached sequence (prompt and
    its greedy continuation) and its final hidden states are stored, float16, next to the shards
    (``feats-<shard>.npy``; ~90 MB for the 77k positions; ~10 min on the 2-core dev box).
+   ``train_draft.py data --features`` stores them while generating, with no extra pass.
 2. ``train``: the draft's layer starts as a copy of the target's last layer, its norm as the
    target's final norm, ``fc`` as [0, I] (i.e. "pass the feature on"). Loss per position: soft
    cross-entropy to the target's stored top-16 next-token distribution plus a hard one to its
@@ -25,11 +26,14 @@ Stages (seeded; data from ``train_draft.py data``, cached in ``~/.cache/macinfer
 3. Held-out acceptance is measured by real greedy chains (``chain_acceptance``): draft k tokens
    from every verified position with the draft's own KV cache and features, compare with the
    target's greedy continuation, accept the agreeing prefix; exactly what decoding does.
+4. ``engine``: the acceptance users see: the held-out prompts through LLMEngine with a draft
+   option (chains cut by confidence, adaptive k, n-gram lookup for "auto"), per kind of draft.
 
 Usage:
     python scripts/train_eagle.py feats
     python scripts/train_eagle.py train --minutes 30
     python scripts/train_eagle.py eval --draft models/smollm2-135m-eagle
+    python scripts/train_eagle.py engine --engine smollm2-135m,auto   # acceptance as deployed
 """
 
 from __future__ import annotations
@@ -409,9 +413,53 @@ def calibration(draft, seqs, levels=(0.3, 0.5, 0.7)) -> list:
     return [(c, float((conf >= c).mean()), float(hit[conf >= c].mean())) for c in levels if (conf >= c).any()]
 
 
+def cmd_engine(args):
+    """Acceptance as the engine deploys a draft: chains cut by confidence, adaptive k, lookup.
+
+    The held-out prompts run through LLMEngine (greedy, their cached continuation length,
+    8 at a time) once per `--engine` option; every verified draft is counted by the kind of
+    drafter that made it (macinfer.spec_decode.SpecDecoder.kind).
+    """
+    import collections
+
+    from macinfer.engine import LLMEngine
+    from macinfer.sampling import SamplingParams
+
+    model, tok, info = td.load_target()
+    held = load_with_feats("heldout")[: args.eval_prompts]
+    for option in args.engine.split(","):
+        engine = LLMEngine(model, tok, info, kv_memory="256MB", max_num_seqs=8, enable_prefix_cache=False,
+                           draft=option)
+        spec, counts = engine.spec, collections.defaultdict(lambda: [0, 0, 0])  # kind -> steps, drafted, accepted
+        update = spec.update_from_output
+
+        def spy(scheduled, sampled, seconds, spec=spec, counts=counts, update=update):
+            for s, toks in zip(scheduled, sampled):
+                if s.num_spec_tokens:
+                    c = counts[spec._kinds.get(s.seq.request_id, "")]
+                    c[0] += 1
+                    c[1] += s.num_spec_tokens
+                    c[2] += len(toks) - 1
+            return update(scheduled, sampled, seconds)
+
+        spec.update_from_output = spy
+        t0, generated = time.time(), 0
+        for tok_ids, n_p, *_ in held:
+            engine.add_request(tok_ids[:n_p].tolist(), SamplingParams(max_tokens=len(tok_ids) - n_p, ignore_eos=True))
+            generated += len(tok_ids) - n_p
+        while engine.has_unfinished():
+            engine.step()
+        drafted, accepted = sum(c[1] for c in counts.values()), sum(c[2] for c in counts.values())
+        print(f"draft={option}: {len(held)} held-out prompts, {generated} tokens, {time.time() - t0:.0f}s; "
+              f"{drafted} drafted, {accepted} accepted ({accepted / max(drafted, 1):.3f} per drafted token)", flush=True)
+        for kind, (steps, d, a) in sorted(counts.items()):
+            print(f"  {kind or 'all'}: {steps} verify rows, {d} drafted, {a} accepted ({a / max(d, 1):.3f}), "
+                  f"{(a + steps) / max(steps, 1):.2f} tokens per verify row", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["feats", "train", "eval"])
+    ap.add_argument("stage", choices=["feats", "train", "eval", "engine"])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--decay-steps", type=int, default=1500)
@@ -430,13 +478,15 @@ def main():
     ap.add_argument("--init", default="", help="train: continue from a saved draft directory")
     ap.add_argument("--write-readme", action="store_true", help="eval: write the draft's README.md with the figures")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--engine", default="smollm2-135m,auto",
+                    help="engine: draft options to deploy on the held-out prompts, comma-separated")
     args = ap.parse_args()
     if args.eval_prompts < 1 or args.minutes <= 0:
         ap.error("--eval-prompts and --minutes must be positive")
     from macinfer.errors import MacinferError
 
     try:
-        {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval}[args.stage](args)
+        {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval, "engine": cmd_engine}[args.stage](args)
     except MacinferError as e:
         sys.exit(f"error: {e}")
 
