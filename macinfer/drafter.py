@@ -1,15 +1,23 @@
 """Drafters: cheap guesses of a sequence's next tokens, for the target to verify.
 
-One small interface (`Drafter`), two kinds:
+One small interface (`Drafter`), and these kinds:
 
 - `NgramDrafter` (prompt lookup): find the latest earlier occurrence of the
-  sequence's last n tokens (n = 4 down to 2) and propose what followed it. No
-  model, no state; deterministic, so its draft distribution q is one-hot.
+  sequence's last n tokens (n = 4 down to 2) and propose what followed it, as
+  many tokens as the match is long. No model; deterministic, so its draft
+  distribution q is one-hot.
 - `DraftModelDrafter`: a small model sharing the target's tokenizer, run k
   times per step over its own paged KV cache (its own BlockPool and
   ModelRunner, the same machinery as the target's). It samples each draft
   from its own distribution q with the request's sampling parameters and key,
   and hands q to the verifier (macinfer.rejection).
+- `FeatureDrafter` (macinfer.feature_draft): a one-layer draft fed the
+  target's own hidden states (EAGLE-style).
+- `LookupDrafter`: n-gram lookup for rows whose text repeats itself, a model
+  drafter for the others ("<model>+ngram", and "auto").
+
+A drafter may also say what kind of draft a row would get (`kind(seq)`, with a
+`prior(kind)` acceptance): the speculative decoder tracks acceptance per kind.
 
 A drafter writes its proposal into `seq.spec_token_ids` (and `seq.spec_probs`,
 the (k, V) q rows, or None for a deterministic drafter); the scheduler then
