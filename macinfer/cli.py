@@ -67,6 +67,8 @@ def run_stats(out, info, peak) -> dict:
         "accepted_tokens": m.accepted_tokens,
         "acceptance_rate": m.acceptance_rate,
         "accepted_per_step": m.accepted_per_step,
+        "lookup_draft_tokens": m.lookup_draft_tokens,
+        "lookup_accepted_tokens": m.lookup_accepted_tokens,
         "finish_reason": out.finish_reason,
     }
 
@@ -89,7 +91,10 @@ def stats_line(s: dict) -> str:
             f"({s['peak_bandwidth_source']})"
         )
     if s["draft_tokens"]:
-        parts.append(f"draft acceptance {100 * s['acceptance_rate']:.0f}% ({s['accepted_per_step']:.2f} accepted/step)")
+        lookup = s.get("lookup_draft_tokens", 0)
+        split = (f"; lookup {s['lookup_accepted_tokens']}/{lookup}, model {s['accepted_tokens'] - s['lookup_accepted_tokens']}"
+                 f"/{s['draft_tokens'] - lookup}" if 0 < lookup < s["draft_tokens"] else "")
+        parts.append(f"draft acceptance {100 * s['acceptance_rate']:.0f}% ({s['accepted_per_step']:.2f} accepted/step{split})")
     return " | ".join(parts)
 
 

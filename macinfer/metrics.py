@@ -27,6 +27,8 @@ class RequestMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     spec_steps: int = 0  # decode steps that verified drafts
+    lookup_draft_tokens: int = 0  # of draft_tokens, those proposed by n-gram lookup (and accepted)
+    lookup_accepted_tokens: int = 0
     # Mean context length (tokens in the KV cache) over decode steps: for bandwidth.
     kv_tokens_sum: int = 0
     decode_steps: int = 0

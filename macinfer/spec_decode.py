@@ -371,6 +371,9 @@ class SpecDecoder:
             m.draft_tokens += k
             m.accepted_tokens += accepted
             m.spec_steps += 1
+            if kind.startswith("ngram:"):
+                m.lookup_draft_tokens += k
+                m.lookup_accepted_tokens += accepted
         if decode_only and scheduled:
             self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
 

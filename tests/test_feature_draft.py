@@ -205,17 +205,23 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     d = engine.spec.drafter
     assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name.endswith("+ngram")
     d.model.min_joint = 0.0  # a random draft is never sure: let it draft
-    rows = {"lookup": 0, "model": 0}
+    rows, drafted = {"lookup": 0, "model": 0}, {"lookup": 0, "model": 0}
     for key, part in (("lookup", d.ngram), ("model", d.model)):
         def spy(seqs, ks, propose=part.propose, key=key):
             rows[key] += len(seqs)
             propose(seqs, ks)
+            drafted[key] += sum(len(s.spec_token_ids) for s in seqs)
         part.propose = spy
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
     for i, w in enumerate(want):
         assert out[f"r{i}"].token_ids == w, i
     assert rows["lookup"] > 5 and rows["model"] > 5, rows
+    # Each request's metrics split its drafts by who made them (the stats line shows it).
+    metrics = [o.metrics for o in out.values()]
+    assert sum(m.lookup_draft_tokens for m in metrics) == drafted["lookup"] > 0
+    assert sum(m.draft_tokens - m.lookup_draft_tokens for m in metrics) == drafted["model"] > 0
+    assert all(m.lookup_accepted_tokens <= m.lookup_draft_tokens for m in metrics)
     kinds = set(engine.spec.pooled)
     assert "model" in kinds and any(k.startswith("ngram:") for k in kinds), kinds
     engine.step()
