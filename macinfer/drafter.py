@@ -61,6 +61,11 @@ class Drafter(Protocol):
         """Forget a request (finished or preempted): free whatever it holds."""
 
 
+# A draft round feeding at most this many tokens per row is a decode round (last step's verified
+# tokens) and is timed for `round_s`; a new prompt's catch-up is not the steady cost.
+STEADY_TOKENS = 8
+
+
 def draft_pick(seq: Sequence, logits: mx.array):
     """(drafted token, q) for one row, both lazy: greedy takes the argmax (q None); a sampled
     draft draws from q, the distribution the verifier's rejection sampling must be given."""
@@ -244,8 +249,7 @@ class DraftModelDrafter:
         self.runner = ModelRunner(model, inspect_model(model, name), num_blocks, block_size,
                                   batch_decode=supports_batched_offsets(model))
         self.states: dict[str, _DraftSeq] = {}
-        # Seconds per draft round of 1-token rows (EMA; None until measured). Rounds that
-        # catch up on many tokens (a new prompt) are not counted: they are not the steady cost.
+        # Seconds per draft round of decode rows (EMA; None until measured; see STEADY_TOKENS).
         self.round_s: float | None = None
 
     def available(self, seq: Sequence, k: int) -> int:
@@ -287,7 +291,7 @@ class DraftModelDrafter:
             active = [(seq, st) for seq, st, k in rows if k > r]
             groups = [active] if self.runner.batch_decode else [[a] for a in active]
             t0 = time.perf_counter()
-            steady = all(len(st.token_ids) - st.num_computed_tokens <= 2 for _, st in active)
+            steady = all(len(st.token_ids) - st.num_computed_tokens <= STEADY_TOKENS for _, st in active)
             for group in groups:
                 sched = [ScheduledSequence(st, len(st.token_ids) - st.num_computed_tokens) for _, st in group]
                 logits = self.runner._forward(sched)  # (B, V): each row's next-token logits

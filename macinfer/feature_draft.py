@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.block_pool import BlockPool
-from macinfer.drafter import draft_pick
+from macinfer.drafter import STEADY_TOKENS, draft_pick
 from macinfer.errors import MacinferError
 from macinfer.sequence import Sequence
 
@@ -206,7 +206,7 @@ class FeatureDrafter:
         self.runner = ModelRunner(draft.model, inspect_model(draft.model, name), num_blocks, block_size)
         self.states: dict[str, _FeatState] = {}
         self.feats: dict[str, list[list]] = {}  # request_id -> [[start position, (n, D) lazy array]]
-        self.round_s: float | None = None  # seconds per 1-row draft round (EMA), as DraftModelDrafter
+        self.round_s: float | None = None  # seconds per decode draft round (EMA), as DraftModelDrafter
         target_runner.set_hidden_sink(self.observe)
 
     # -- features from the target ---------------------------------------------------------
@@ -317,7 +317,7 @@ class FeatureDrafter:
         r = 0
         while idx := [i for i, k in enumerate(ks) if k > r]:
             t0 = time.perf_counter()
-            steady = all(len(toks[i]) == 1 for i in idx)
+            steady = all(len(toks[i]) <= STEADY_TOKENS for i in idx)
             fhat = self._run([rows[i][1] for i in idx], [toks[i] for i in idx], [fts[i] for i in idx])
             logits = self.draft.head(fhat)  # (B, V)
             conf = mx.softmax(logits, axis=-1).max(axis=-1)

@@ -209,11 +209,16 @@ class SpecDecoder:
         pool.tried += tried
 
     def draft_round_seconds(self) -> float:
-        """One draft-model round (the drafter's measurement; until then a quarter of a step); 0 for n-gram."""
+        """One draft-model round, as the drafter measured it; 0 for n-gram.
+
+        Until measured, 0: the first drafts measure it. (A pessimistic guess, such as a quarter
+        of a step, can keep K at 0 for good when many rows share a step, and then nothing is
+        ever measured: a one-layer feature draft at 8 requests never drafted.)
+        """
         if not self.drafter.has_model:
             return 0.0
         measured = getattr(self.drafter, "round_s", None)
-        return measured if measured is not None else 0.25 * self.step_cost(1)
+        return measured if measured is not None else 0.0
 
     def _rounds(self, seqs: list[Sequence], offers: list[int]) -> bool:
         """Whether drafting for these rows runs the draft model (a hybrid drafter may look up instead)."""

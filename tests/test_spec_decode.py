@@ -202,6 +202,10 @@ def test_adaptive_k_follows_acceptance_and_costs():
     assert spec.choose_k([0.8], [5]) == 0
     spec.drafter.has_model = True
     costs(0.100, 0.008)
+    # A draft model not measured yet is tried (its first rounds measure it), even with 8 rows
+    # per step; with a quarter of a step assumed per round it would never be, at 0.5 acceptance.
+    spec.drafter.round_s = None
+    assert spec.choose_k([0.5] * 8, [5] * 8) > 0
     spec.drafter.round_s = 0.05  # a draft model costing half a step per token
     assert spec.choose_k([0.95], [5]) > 0
     assert spec.choose_k([0.3], [5]) == 0
