@@ -368,7 +368,7 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
   speculative decoding hands a draft tokens, not hidden states).
 - **How**: `scripts/train_eagle.py` (seeded). Data: the target's greedy chat continuations of
   `scripts/train_draft.py data` ({meta['n_train_seqs']} sequences), and the target's hidden state at every position
-  (`train_eagle.py feats`). Layer initialised from target layer {meta['init_layer']}, norm from the target's
+  (`train_eagle.py feats`, or stored while generating: `train_draft.py data --features`). Layer initialised from target layer {meta['init_layer']}, norm from the target's
   final norm, fc = [0, I]. Loss: soft cross-entropy to the target's top-16 next-token distribution +
   hard cross-entropy to its greedy token + smooth-L1 to its real next hidden state, on a first pass
   with real features and a second pass fed the first pass's guesses. Adam, lr {meta['lr']}, cosine decay,

@@ -206,7 +206,15 @@ def test_adaptive_k_follows_acceptance_and_costs():
     # per step; with a quarter of a step assumed per round it would never be, at 0.5 acceptance.
     spec.drafter.round_s = None
     assert spec.choose_k([0.5] * 8, [5] * 8) > 0
+    # 8 rows that have only ever run plain steps (160 ms): their slope is the prior's, which is
+    # optimistic, so drafting is tried (and measured) at 0.5 acceptance; at 0.1 it never was.
+    spec.step_cost = StepCost()
+    for _ in range(10):
+        spec.step_cost.observe(8, 0.160)
+    spec.drafter.round_s = 0.005
+    assert spec.choose_k([0.5] * 8, [5] * 8) > 0
     spec.drafter.round_s = 0.05  # a draft model costing half a step per token
+    costs(0.100, 0.008)
     assert spec.choose_k([0.95], [5]) > 0
     assert spec.choose_k([0.3], [5]) == 0
 
