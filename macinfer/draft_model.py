@@ -120,10 +120,13 @@ class SubsetHead:
         self.vocab = vocab
 
     def __call__(self, h):
+        return self.expand(h @ self.weight.T)
+
+    def expand(self, sub):
+        """(..., N) logits of the kept tokens -> full-width (..., V), -inf elsewhere."""
         import mlx.core as mx
 
-        sub = h @ self.weight.T
-        full = mx.full((*h.shape[:-1], self.vocab), -mx.inf, dtype=sub.dtype)
+        full = mx.full((*sub.shape[:-1], self.vocab), -mx.inf, dtype=sub.dtype)
         full[..., self.ids] = sub
         return full
 

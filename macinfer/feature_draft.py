@@ -319,9 +319,17 @@ class FeatureDrafter:
             t0 = time.perf_counter()
             steady = all(len(toks[i]) <= STEADY_TOKENS for i in idx)
             fhat = self._run([rows[i][1] for i in idx], [toks[i] for i in idx], [fts[i] for i in idx])
-            logits = self.draft.head(fhat)  # (B, V)
-            conf = mx.softmax(logits, axis=-1).max(axis=-1)
-            picked = [self._pick(rows[i][0], logits[j]) for j, i in enumerate(idx)]
+            # The head's own rows only: the full-vocabulary logits (-inf outside the kept tokens)
+            # cost 24 ms for 8 rows here to build, softmax and argmax, the kept 8,192 columns 3.5 ms.
+            # They agree exactly: the -inf columns add nothing to the softmax, and the kept ids are
+            # sorted, so the first maximum is the same token. Sampled rows need the full q.
+            head = self.draft.head
+            sub = fhat @ head.weight.T  # (B, N)
+            conf = mx.softmax(sub, axis=-1).max(axis=-1)
+            full = head.expand(sub)  # lazy: evaluated only if a row below needs it
+            picked = [(head.ids[mx.argmax(sub[j], axis=-1)], None)
+                      if self._pick is draft_pick and rows[i][0].sampler.params.greedy
+                      else self._pick(rows[i][0], full[j]) for j, i in enumerate(idx)]
             picks = mx.stack([t for t, _ in picked])
             mx.eval(picks, conf, fhat, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
             for j, (i, tok, c) in enumerate(zip(idx, picks.tolist(), conf.tolist())):
