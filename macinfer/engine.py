@@ -128,7 +128,7 @@ class EngineConfig:
     prefix_cache_dir: str | None = None
     prefix_cache_disk_bytes: int | str = "2GB"
     draft: object = None
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = 12  # a ceiling: adaptive k goes this high on long copies (lookup)
     adaptive_speculation: bool = True
     kv_bits: int | None = None
     kv_group_size: int | None = None

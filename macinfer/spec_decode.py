@@ -162,7 +162,7 @@ class SpecDecoder:
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
     PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
 
-    def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 5, adaptive: bool = True):
+    def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 12, adaptive: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens}")
         self.drafter = drafter

@@ -103,7 +103,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--quick", action="store_true", help="one chat prompt, no mlx-lm, no batch")
-    ap.add_argument("--k", type=int, default=5, help="macinfer's most drafts per step (adaptive below it)")
+    ap.add_argument("--k", type=int, default=12, help="macinfer's most drafts per step (adaptive below it)")
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     args = ap.parse_args()
     if args.reps < 1:
