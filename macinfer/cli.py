@@ -91,7 +91,7 @@ def stats_line(s: dict) -> str:
             f"({s['peak_bandwidth_source']})"
         )
     if s["draft_tokens"]:
-        lookup = s.get("lookup_draft_tokens", 0)
+        lookup = s["lookup_draft_tokens"]
         split = (f"; lookup {s['lookup_accepted_tokens']}/{lookup}, model {s['accepted_tokens'] - s['lookup_accepted_tokens']}"
                  f"/{s['draft_tokens'] - lookup}" if 0 < lookup < s["draft_tokens"] else "")
         parts.append(f"draft acceptance {100 * s['acceptance_rate']:.0f}% ({s['accepted_per_step']:.2f} accepted/step{split})")

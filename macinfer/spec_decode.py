@@ -273,11 +273,20 @@ class SpecDecoder:
         """
         if not self.adaptive:
             return self.max_k
-        last = 2 if pending else 1  # a row never drafts past its max_tokens
+        return self._choose(seqs, 2 if pending else 1)[0]
+
+    def _choose(self, seqs: list[Sequence], last: int) -> tuple[int, list[int], list[str]]:
+        """(K, each row's offer, each row's kind of draft) for these decode rows.
+
+        `last`: tokens each row still produces before a draft could start (its next token, and
+        with a step in flight the pending one); a row never drafts past its max_tokens.
+        """
         caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
-        alphas = [self.alpha(s.request_id, self.kind(s)) for s in seqs]
-        return self.choose_k(alphas, offers, self._rounds(seqs, offers))
+        kinds = [self.kind(s) for s in seqs]
+        alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
+        K = self.choose_k(alphas, offers, self._rounds(seqs, offers)) if seqs else 0
+        return K, offers, kinds
 
     def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
         """Whether the next step should be synchronous so that it can draft for these rows.
@@ -314,12 +323,7 @@ class SpecDecoder:
             seq.spec_token_ids, seq.spec_probs = [], None
             if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
                 decodes.append(seq)
-        # A row never drafts past its max_tokens (the last token needs no draft).
-        caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - 1) for s in decodes]
-        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(decodes, caps)]
-        kinds = [self.kind(s) for s in decodes]
-        K = self.choose_k([self.alpha(s.request_id, kd) for s, kd in zip(decodes, kinds)], offers,
-                          self._rounds(decodes, offers)) if decodes else 0
+        K, offers, kinds = self._choose(decodes, 1)
         self.last_k = K
         self._draft_next = False  # this step drafts (or not) on the tokens known now
         if self._planned:

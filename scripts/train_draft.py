@@ -267,6 +267,7 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
         order = mx.argsort(-vals, axis=-1)
         return mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
 
+    feats: list = []  # with features: the hidden states of every forward, in order
     if features:
         from macinfer.feature_draft import split_head
 
@@ -279,7 +280,6 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
     else:
         def forward(inp):
             return model(inp, cache=cache)
-    feats: list = []
     logits = forward(x)
     pi, pl = topk(logits)
     mx.eval(pi, pl, feats)

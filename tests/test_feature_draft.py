@@ -77,7 +77,7 @@ def checked(engine, fm, script: bool):
     if script:
         cont = {tuple(p): w for p, w in zip(fm["prompts"], fm["want"])}
 
-        def pick(seq, logits):
+        def pick(seq, sub, head):
             j = seq.num_output_tokens + len(seq.spec_token_ids)  # the output index being drafted
             w = cont[tuple(seq.prompt_token_ids)]
             t = w[j] if j < len(w) else 0
