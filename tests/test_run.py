@@ -102,6 +102,8 @@ def test_seeded_sampling_is_reproducible(tiny_models):
         (["{noweights}", "hi"], "no *.safetensors"),
         (["{corrupt}", "hi"], "could not load the weights"),
         (["{unknown}", "hi"], "unknown architecture"),
+        (["{tiny}", "hi", "--draft", "/nonexistent/draft+ngram"], "no such model '/nonexistent/draft'"),
+        (["{tiny}", "hi", "--draft", "+ngram"], "no such model '+ngram'"),
     ],
 )
 def test_bad_input_is_one_line(tiny_models, tmp_path, args, message):
