@@ -75,6 +75,20 @@ def draft_pick(seq: Sequence, logits: mx.array):
     return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
 
 
+def pick_kept(seq: Sequence, sub: mx.array, head):
+    """draft_pick for a draft whose head keeps a subset of the vocabulary (a SubsetHead):
+    `sub` holds one row's logits over the kept columns only.
+
+    A greedy row picks among those columns: building the full-vocabulary logits (-inf
+    elsewhere) and taking their argmax cost 24 ms for 8 rows of SmolLM2's vocabulary here,
+    and gives the same token (the kept ids are sorted, so the first maximum is the same).
+    A sampled row needs the full q for the verifier: draft_pick on the expanded row.
+    """
+    if seq.sampler.params.greedy:
+        return head.ids[mx.argmax(sub, axis=-1)], None
+    return draft_pick(seq, head.expand(sub))
+
+
 class NgramDrafter:
     """Prompt-lookup drafting from the sequence's own tokens.
 
@@ -248,6 +262,10 @@ class DraftModelDrafter:
         self.pool = BlockPool(num_blocks, block_size)
         self.runner = ModelRunner(model, inspect_model(model, name), num_blocks, block_size,
                                   batch_decode=supports_batched_offsets(model))
+        # A head over a subset of the vocabulary (macinfer.draft_model.SubsetHead): rounds take
+        # the logits of its kept columns only, and pick_kept widens them where q is needed.
+        head = getattr(model, "lm_head", None)
+        self.head = head if hasattr(head, "expand") and hasattr(head, "ids") else None
         self.states: dict[str, _DraftSeq] = {}
         # Seconds per draft round of decode rows (EMA; None until measured; see STEADY_TOKENS).
         self.round_s: float | None = None
@@ -294,10 +312,10 @@ class DraftModelDrafter:
             steady = all(len(st.token_ids) - st.num_computed_tokens <= STEADY_TOKENS for _, st in active)
             for group in groups:
                 sched = [ScheduledSequence(st, len(st.token_ids) - st.num_computed_tokens) for _, st in group]
-                logits = self.runner._forward(sched)  # (B, V): each row's next-token logits
+                logits = self._forward(sched)  # (B, V), or (B, N) over a SubsetHead's kept columns
                 picks = []
                 for j, (seq, _) in enumerate(group):
-                    tok, q = draft_pick(seq, logits[j])
+                    tok, q = draft_pick(seq, logits[j]) if self.head is None else pick_kept(seq, logits[j], self.head)
                     if q is not None:
                         probs.setdefault(seq.request_id, []).append(q)
                     picks.append(tok)
@@ -313,6 +331,17 @@ class DraftModelDrafter:
         for seq, _, _ in rows:
             if seq.request_id in probs:
                 seq.spec_probs = mx.stack(probs[seq.request_id])  # (k, V)
+
+    def _forward(self, sched: list) -> mx.array:
+        """Each row's next-token logits: (B, V), or (B, N) over the kept columns of a SubsetHead."""
+        if self.head is None:
+            return self.runner._forward(sched)
+        # The graph is built inside the call, so the narrow head is in place only while it is.
+        self.model.lm_head = lambda h: h @ self.head.weight.T
+        try:
+            return self.runner._forward(sched)
+        finally:
+            self.model.lm_head = self.head
 
     def remove(self, request_id: str) -> None:
         st = self.states.pop(request_id, None)

@@ -144,6 +144,35 @@ def test_greedy_equals_mlx_lm(models, kind):
     assert_all_free(engine)
 
 
+def test_subset_head_drafts_from_its_kept_columns(models):
+    """A draft whose head keeps part of the vocabulary drafts from those columns' logits alone
+    (no full-width -inf row per draft): the same drafts, accepted the same, as from the full row."""
+    m = models
+    path = subset_draft(m, m["tmp"] / "subset-draft-cols", range(0, m["model"].args.vocab_size, 2))
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    seen = []
+    for narrow in (True, False):
+        engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=40,
+                           draft=path, num_speculative_tokens=3, adaptive_speculation=False)
+        drafter = engine.spec.drafter
+        assert isinstance(drafter, DraftModelDrafter) and drafter.head is not None
+        widths, forward = [], drafter.runner._forward
+
+        def spy(sched, forward=forward, widths=widths):
+            logits = forward(sched)
+            widths.append(logits.shape[-1])
+            return logits
+
+        drafter.runner._forward = spy
+        if not narrow:
+            drafter.head = None  # the full-width path: SubsetHead's -inf-padded logits
+        out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(m["prompts"])])
+        assert set(widths) == {len(range(0, m["model"].args.vocab_size, 2)) if narrow else m["model"].args.vocab_size}
+        seen.append([(o.token_ids, o.metrics.draft_tokens, o.metrics.accepted_tokens) for _, o in sorted(out.items())])
+    assert seen[0] == seen[1]
+    assert [t for t, _, _ in seen[0]] == m["want"]
+
+
 @pytest.mark.parametrize("kind", ["same", "wrong"])
 def test_preemption_during_speculation(models, kind):
     m = models
