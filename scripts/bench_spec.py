@@ -17,9 +17,16 @@ decoding measured in the same run, the configurations interleaved per prompt:
   2. 8 concurrent requests (continuous batching), with vs without speculation
      (medians of --reps too).
 
+With --heldout N, instead: chat speed over N of scripts/train_draft.py's held-out chat
+prompts (topics the drafts never trained on), single stream, greedy, stopping at EOS: plain,
+feature and auto, interleaved per prompt (order rotated), reported as total decoded tokens over
+total decode time per engine, and per-prompt speed-ups (min / median / max). Three fixed chat
+prompts say little about chat in general; this says more, at ~25 s per prompt.
+
 Usage:
     python scripts/bench_spec.py                     # ~10 min on 2 shared cores
     python scripts/bench_spec.py --tokens 32 --quick # fewer prompts
+    python scripts/bench_spec.py --heldout 16 --tokens 96
 """
 
 from __future__ import annotations
@@ -99,15 +106,69 @@ def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
     return last.generation_tps, toks
 
 
+def heldout_chat(args):
+    """Chat speed over held-out prompts: plain vs feature vs auto, one stream (see module docstring)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_draft import heldout_prompts
+
+    from macinfer.loader import load_model
+
+    model, tok, info = load_model(None, dequantize=True)
+    opts = dict(kv_memory="192MB", max_num_seqs=1, enable_prefix_cache=False, num_speculative_tokens=args.k)
+    engines = {k: LLMEngine(model, tok, info, draft=d, **opts)
+               for k, d in (("plain", None), ("feature", "smollm2-135m"), ("auto", "auto"))}
+    params = SamplingParams(max_tokens=args.tokens)
+    prompts = [chat_ids(tok, t) for t in heldout_prompts()[: args.heldout]]
+    for e in engines.values():
+        run_engine(e, [prompts[0]], SamplingParams(max_tokens=4))
+    tokens, seconds, ratios, same = {k: 0 for k in engines}, {k: 0.0 for k in engines}, {k: [] for k in engines}, True
+    drafted, accepted = {k: 0 for k in engines}, {k: 0 for k in engines}
+    print(f"SmolLM2-135M float32, {len(prompts)} held-out chat prompts, up to {args.tokens} tokens each, one stream, "
+          f"macinfer k <= {args.k} (adaptive)", flush=True)
+    for i, ids in enumerate(prompts):
+        keys = list(engines)[i % len(engines):] + list(engines)[: i % len(engines)]
+        outs = {}
+        for key in keys:
+            (out,), _ = run_engine(engines[key], [ids], params)
+            outs[key] = out
+            m = out.metrics
+            if m.decode_time:
+                tokens[key] += m.generation_tokens - 1
+                seconds[key] += m.decode_time
+                drafted[key] += m.draft_tokens
+                accepted[key] += m.accepted_tokens
+        same = same and all(o.token_ids == outs["plain"].token_ids for o in outs.values())
+        tps = {k: o.metrics.decode_tps for k, o in outs.items()}
+        if all(tps.values()):
+            for k in engines:
+                ratios[k].append(tps[k] / tps["plain"])
+            print(f"  prompt {i + 1:2}: {len(outs['plain'].token_ids):3} tokens, plain {tps['plain']:5.1f} tok/s, "
+                  + ", ".join(f"{k} {tps[k] / tps['plain']:.2f}x" for k in engines if k != "plain"), flush=True)
+    base = tokens["plain"] / seconds["plain"]
+    print(f"total: plain {base:.1f} tok/s", flush=True)
+    for k in [k for k in engines if k != "plain"]:
+        r = sorted(ratios[k])
+        print(f"  {k:8} {tokens[k] / seconds[k]:5.1f} tok/s ({tokens[k] / seconds[k] / base:.2f}x overall; per prompt "
+              f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max), "
+              f"{accepted[k]} of {drafted[k]} drafts accepted ({accepted[k] / max(drafted[k], 1):.2f})", flush=True)
+    print(f"greedy outputs identical to plain: {'yes' if same else 'NO'}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--quick", action="store_true", help="one chat prompt, no mlx-lm, no batch")
     ap.add_argument("--k", type=int, default=12, help="macinfer's most drafts per step (adaptive below it)")
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
+    ap.add_argument("--heldout", type=int, default=0, metavar="N",
+                    help="instead: chat speed over N held-out chat prompts (1-48; see above)")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be at least 1")
+    if not 0 <= args.heldout <= 48:
+        ap.error("--heldout takes 1 to 48 prompts")
+    if args.heldout:
+        return heldout_chat(args)
     model, tok, info, draft = load()
     opts = dict(kv_memory="192MB", max_num_seqs=8, enable_prefix_cache=False, num_speculative_tokens=args.k)
     engines = {

@@ -418,7 +418,10 @@ def cmd_engine(args):
 
     The held-out prompts run through LLMEngine (greedy, their cached continuation length,
     8 at a time) once per `--engine` option; every verified draft is counted by the kind of
-    drafter that made it (macinfer.spec_decode.SpecDecoder.kind).
+    drafter that made it (macinfer.spec_decode.SpecDecoder.kind). With `--every-step`, adaptive
+    k is off: every row drafts every step, as far as the drafter offers (chains still cut by
+    the draft's confidence), so the figure no longer depends on measured timings, which on a
+    shared machine decide how often drafting is judged worth it.
     """
     import collections
 
@@ -429,7 +432,7 @@ def cmd_engine(args):
     held = load_with_feats("heldout")[: args.eval_prompts]
     for option in args.engine.split(","):
         engine = LLMEngine(model, tok, info, kv_memory="256MB", max_num_seqs=8, enable_prefix_cache=False,
-                           draft=option)
+                           draft=option, adaptive_speculation=not args.every_step)
         spec, counts = engine.spec, collections.defaultdict(lambda: [0, 0, 0])  # kind -> steps, drafted, accepted
         update = spec.update_from_output
 
@@ -474,6 +477,8 @@ def main():
     ap.add_argument("--head-vocab", type=int, default=8192)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-prompts", type=int, default=48)
+    ap.add_argument("--every-step", action="store_true",
+                    help="engine: adaptive k off, every row drafts every step (timing-independent acceptance)")
     ap.add_argument("--draft", default=str(DEFAULT_OUT), help="eval: the draft directory")
     ap.add_argument("--init", default="", help="train: continue from a saved draft directory")
     ap.add_argument("--write-readme", action="store_true", help="eval: write the draft's README.md with the figures")
