@@ -366,7 +366,7 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
   Load it with `macinfer.draft_model.load_draft("smollm2-135m", target_model, target_tokenizer)`;
   the engine feeds it through `macinfer.feature_draft.FeatureDrafter`. mlx-lm cannot run it (its
   speculative decoding hands a draft tokens, not hidden states).
-- **How**: `scripts/train_eagle.py` (seeded). Data: the target's greedy chat continuations of
+- **How**: `scripts/train_eagle.py` (seeded). Data: the target's own chat continuations of
   `scripts/train_draft.py data` ({meta['n_train_seqs']} sequences), and the target's hidden state at every position
   (`train_eagle.py feats`, or stored while generating: `train_draft.py data --features`). Layer initialised from target layer {meta['init_layer']}, norm from the target's
   final norm, fc = [0, I]. Loss: soft cross-entropy to the target's top-16 next-token distribution +
