@@ -18,7 +18,7 @@ Choosing k (adaptive). Decode rows share one forward padded to L = 1 + K, so the
 choice is K per step, from the requests' tracked acceptance and measured costs:
 
     expected tokens of row i   E_i(K) = (1 - a_i^(k_i + 1)) / (1 - a_i),  k_i = min(K, offer_i)
-    step time                  T(K)   = A + b * B * (1 + K) + D * K
+    step time                  T(K)   = A + b * B * (1 + K * (1 - prod_i r_i)) + D * K
     K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
 
 a_i is request i's acceptance rate for the kind of draft it would get now
@@ -26,7 +26,9 @@ a_i is request i's acceptance rate for the kind of draft it would get now
 may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the
 measured cost of a decode step (a linear fit over recent decode-only steps,
 forgetting old ones), D the measured cost of one draft-model round (0 for n-gram,
-and when no row would draft with the model). offer_i is what the drafter can
+and when no row would draft with the model), r_i how often the drafter lately declined
+a row of that kind (a feature draft unsure of its first token drafts nothing: the
+round is paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is what the drafter can
 propose (an n-gram drafter often has nothing, or a short match). Counts decay while
 a request does not draft, so its estimate drifts back to the prior and it probes
 again now and then.
@@ -161,6 +163,7 @@ class SpecDecoder:
     DECAY = 0.9  # per step, a request's own acceptance counts
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
     PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
+    DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
 
     def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 12, adaptive: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
@@ -177,12 +180,14 @@ class SpecDecoder:
         self.step_cost = StepCost()
         self._draft_s = 0.0  # time spent drafting in the current step
         self._declined: set[str] = set()  # requests the drafter was asked to draft for and did not
+        self.declines: dict[str, _Acceptance] = {}  # per kind: declined (accepted) of asked (tried), decayed
         self.last_k = 0
         # Async scheduling (wants_sync): a plan made with a step in flight is carried out by the
         # next step; plans judged on stale tokens can be wrong (an n-gram match the pending token
         # breaks), so each one that ends in no drafts doubles how many steps go unplanned.
         self._draft_next, self._planned = False, False
         self._plan_backoff, self._plan_penalty = 0, 1
+        self._plan_k = 0  # the K the carried-out plan was made for
 
     # -- acceptance -------------------------------------------------------------------
     def kind(self, seq: Sequence) -> str:
@@ -213,6 +218,11 @@ class SpecDecoder:
         pool.accepted += accepted
         pool.tried += tried
 
+    def decline_rate(self, kind: str = "") -> float:
+        """How often the drafter, asked for drafts of this kind, lately drafted nothing (pooled)."""
+        d = self.declines.get(kind)
+        return d.accepted / d.tried if d is not None and d.tried > 0 else 0.0
+
     def draft_round_seconds(self) -> float:
         """One draft-model round, as the drafter measured it; 0 for n-gram.
 
@@ -232,20 +242,30 @@ class SpecDecoder:
             return self.drafter.has_model
         return any(o > 0 and uses(s) for s, o in zip(seqs, offers))
 
-    def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True) -> int:
+    def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True,
+                 declines: list[float] | None = None) -> int:
         """The K that maximises expected tokens per second this step (see module docstring).
 
         rounds: False if no row would draft with the model (no draft-round cost).
+        declines: each row's chance that the drafter, asked, drafts nothing (a feature draft
+            unsure of its first token). Such a row still costs its draft round, and its
+            acceptance (alphas) counts the decline as a rejection, but it adds no verify
+            position: the forward is only widened if some row drafts.
         """
         if not self.adaptive:
             return self.max_k
         if not self.step_cost.ready:
             return 0  # measure one plain decode step first
         B = len(alphas)
+        declines = declines or [0.0] * B
         best_k, best = 0, 0.0
         for K in range(0, max(offers, default=0) + 1):
             tokens = sum(expected_tokens(a, min(K, o)) for a, o in zip(alphas, offers))
-            seconds = self.step_cost(B * (1 + K)) + (self.draft_round_seconds() * K if rounds else 0.0)
+            all_decline = 1.0
+            for d, o in zip(declines, offers):
+                all_decline *= d if min(K, o) > 0 else 1.0
+            width = B * (1 + K * (1.0 - all_decline)) if K else B
+            seconds = self.step_cost(width) + (self.draft_round_seconds() * K if rounds else 0.0)
             if tokens / seconds > best * (1 + 1e-6):
                 best_k, best = K, tokens / seconds
         return best_k
@@ -285,7 +305,8 @@ class SpecDecoder:
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
         kinds = [self.kind(s) for s in seqs]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
-        K = self.choose_k(alphas, offers, self._rounds(seqs, offers)) if seqs else 0
+        declines = [self.decline_rate(kd) for kd in kinds]
+        K = self.choose_k(alphas, offers, self._rounds(seqs, offers), declines) if seqs else 0
         return K, offers, kinds
 
     def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
@@ -300,8 +321,9 @@ class SpecDecoder:
         if self._plan_backoff > 0:
             self._plan_backoff -= 1
             return False
-        if self.plan_k(seqs, pending) > 0:
-            self._draft_next = pending
+        K = self.plan_k(seqs, pending)
+        if K > 0:
+            self._draft_next, self._plan_k = pending, K
             return True
         return False
 
@@ -324,6 +346,12 @@ class SpecDecoder:
             if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
                 decodes.append(seq)
         K, offers, kinds = self._choose(decodes, 1)
+        if self._planned and not K and self.adaptive:
+            # Planned a step ago, and the step is synchronous now whatever we do. Judged again,
+            # K is 0 only on a knife edge (a step's cost or the counts' aging moved it) or because
+            # the offers are gone (an n-gram match the pending token broke). Keep the plan in the
+            # first case: a synchronous step that does not draft is the worst of both.
+            K = min(self._plan_k, max(offers, default=0))
         self.last_k = K
         self._draft_next = False  # this step drafts (or not) on the tokens known now
         if self._planned:
@@ -341,6 +369,11 @@ class SpecDecoder:
             # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
             # of its first token), as opposed to drafts dropped later for room.
             self._declined = {s.request_id for s, o in zip(decodes, offers) if o > 0 and not s.spec_token_ids}
+            for s, o, kd in zip(decodes, offers, kinds):
+                if o > 0:
+                    d = self.declines.setdefault(kd, _Acceptance(0.0, 2.0))  # prior: 0 of 2 declined
+                    d.accepted = self.DECLINE_DECAY * d.accepted + (s.request_id in self._declined)
+                    d.tried = self.DECLINE_DECAY * d.tried + 1.0
         self._draft_s = time.perf_counter() - t0
 
     def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:

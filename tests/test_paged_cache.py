@@ -101,3 +101,23 @@ def test_attention_over_contiguous_shuffled_and_batched_tables(q_len, window):
         for b in range(2):
             np.testing.assert_allclose(np.array(got[b:b + 1]), np.array(want[b]), rtol=1e-5, atol=1e-5,
                                        err_msg=f"{name} batch row {b}")
+
+
+@pytest.mark.parametrize("q_len", [2, 5, 17])
+def test_few_queries_use_an_additive_mask_bit_identical_to_causal(q_len):
+    """A verify step's few queries get a memoised additive mask instead of SDPA's "causal"
+    (cheaper on the CPU backend); the outputs are the same bits, so greedy stays mlx-lm's."""
+    import macinfer.paged_attention as pa
+
+    rng = np.random.default_rng(q_len)
+    C, n_heads = 29, 2 * H
+    k, v = (mx.array(rng.standard_normal((1, H, C, D)), mx.float32) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, n_heads, q_len, D)), mx.float32)
+    kp, vp = mx.zeros((H, 16 * BS, D)), mx.zeros((H, 16 * BS, D))
+    table = list(range(3, 3 + -(-C // BS)))
+    place(kp, vp, k, v, table)
+    memo = {}
+    got = paged_attention(q, kp, vp, [table], [C], block_size=BS, scale=D**-0.5, memo=memo)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
+    assert mx.array_equal(got, want).item()
+    assert any(key[0] == "causal_add" for key in memo) == (q_len <= pa._SMALL_Q)

@@ -22,6 +22,7 @@ from oracle import mlx_lm_greedy
 from macinfer.drafter import DraftModelDrafter, NgramDrafter
 from macinfer.engine import LLMEngine
 from macinfer.sampling import Sampler, SamplingParams
+from macinfer.sequence import Sequence, SequenceStatus
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -246,6 +247,64 @@ def test_adaptive_k_follows_acceptance_and_costs():
     costs(0.100, 0.008)
     assert spec.choose_k([0.95], [5]) > 0
     assert spec.choose_k([0.3], [5]) == 0
+
+
+def test_adaptive_k_charges_declined_asks_their_draft_round_only():
+    """A row the drafter often declines widens the forward less often: asking it costs less.
+
+    Costs of the dev CPU (float32 SmolLM2, a feature draft): a 60 ms step, +9 ms per verified
+    token, 4.5 ms per draft round. At 0.2 acceptance per ask, asking does not pay if every ask
+    widens the forward (1.2 tokens for 73.5 ms against 1 for 60), and does if 40% of asks are
+    declined (widening 60% of the time: 1.2 for 69.9).
+    """
+    from macinfer.spec_decode import SpecDecoder, StepCost
+
+    spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=1)
+    spec.drafter.has_model, spec.drafter.round_s = True, 0.0045
+    spec.step_cost = StepCost(prior_weight=0.0)
+    for n in (1, 2, 1, 2, 3):
+        spec.step_cost.observe(n, 0.051 + 0.009 * n)
+    assert spec.choose_k([0.2], [1]) == 0
+    assert spec.choose_k([0.2], [1], declines=[0.0]) == 0
+    assert spec.choose_k([0.2], [1], declines=[0.4]) == 1
+    # In a batch the forward widens if any row drafts: two rows each declining 40% of the time
+    # widen it 84% of the time, which does not pay.
+    assert spec.choose_k([0.2, 0.2], [1, 1], declines=[0.4, 0.4]) == 0
+
+
+def test_a_planned_step_drafts_unless_the_offer_is_gone():
+    """wants_sync plans a draft a step ahead; the synchronous step it costs then drafts, unless
+    the drafter has nothing to offer any more (the pending token broke an n-gram match)."""
+    from types import SimpleNamespace
+
+    from macinfer.spec_decode import SpecDecoder, StepCost
+
+    class Scripted(NgramDrafter):
+        offer = 2
+
+        def available(self, seq, k):
+            return min(k, self.offer)
+
+        def propose(self, seqs, num_draft):
+            for s, k in zip(seqs, num_draft):
+                s.spec_token_ids = [7] * k
+
+    spec = SpecDecoder(Scripted(), block_pool=None, num_speculative_tokens=4)
+    spec.step_cost = StepCost(prior_weight=0.0)
+    for n in (1, 2, 1, 3):
+        spec.step_cost.observe(n, 0.05 + 0.005 * n)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=50))
+    seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 2
+    assert spec.wants_sync([seq], pending=True)  # at the prior acceptance (0.5), K = 2 pays
+    assert spec.wants_sync([seq], pending=False)  # ... carried out by the next step
+    spec.alpha = lambda rid, kind="": 0.01  # judged again, it no longer pays (a knife edge)
+    spec.propose([seq])
+    assert seq.spec_token_ids == [7, 7] and spec._plan_backoff == 0
+    del spec.alpha
+    assert spec.wants_sync([seq], pending=True) and spec.wants_sync([seq], pending=False)
+    Scripted.offer = 0  # the match is gone: nothing to draft, and planning backs off
+    spec.propose([seq])
+    assert seq.spec_token_ids == [] and spec._plan_backoff == 1
 
 
 # -- sampling: the distribution is the target's ---------------------------------------------
