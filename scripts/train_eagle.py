@@ -34,6 +34,7 @@ Usage:
     python scripts/train_eagle.py train --minutes 30
     python scripts/train_eagle.py eval --draft models/smollm2-135m-eagle
     python scripts/train_eagle.py engine --engine smollm2-135m,auto   # acceptance as deployed
+    python scripts/train_eagle.py head --head-vocab 4096   # narrow the shipped draft's head
 """
 
 from __future__ import annotations
@@ -353,6 +354,9 @@ def readme(cfg: dict, meta: dict, ev: dict | None = None) -> str:
                       f"where it is at least {c:.1f} sure ({share:.0%} of tokens) it is right {acc:.0%} of the time"
                       for c, share, acc in ev["calibration"]) + "; the engine cuts chains there "
                   "(`FeatureDrafter.min_joint`).")
+    narrowed = (f" Trained with {meta['head_narrowed'][0]:,} kept tokens, then narrowed to the {meta['head_narrowed'][1]:,} "
+                "the target generates most often (`train_eagle.py head`): a draft round reads half the head rows, "
+                "and the dropped tokens almost never won." if meta.get("head_narrowed") else "")
     return f"""# smollm2-135m-eagle
 
 The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a **feature draft**
@@ -372,7 +376,7 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
   final norm, fc = [0, I]. Loss: soft cross-entropy to the target's top-16 next-token distribution +
   hard cross-entropy to its greedy token + smooth-L1 to its real next hidden state, on a first pass
   with real features and a second pass fed the first pass's guesses. Adam, lr {meta['lr']}, cosine decay,
-  {meta.get('steps', '?')} steps, {meta.get('train_minutes', '?')} min on a 2-core x86 CPU.{chains}
+  {meta.get('steps', '?')} steps, {meta.get('train_minutes', '?')} min on a 2-core x86 CPU.{narrowed}{chains}
 """
 
 
@@ -396,6 +400,63 @@ def cmd_eval(args):
         cfg = json.loads((Path(args.draft) / "config.json").read_text())
         (Path(args.draft) / "README.md").write_text(readme(cfg, json.loads(meta_path.read_text()), ev))
         print(f"wrote {Path(args.draft) / 'README.md'}")
+
+
+def narrow_head(ids: list[int], train_seqs, n: int) -> list[int]:
+    """The n of a head's kept ids the target generates most often in the training continuations
+    (ties: lower id first), sorted."""
+    import numpy as np
+
+    counts = {}
+    for tok, n_p, *_ in train_seqs:
+        for t, c in zip(*np.unique(tok[n_p:], return_counts=True)):
+            counts[int(t)] = counts.get(int(t), 0) + int(c)
+    return sorted(sorted(ids, key=lambda t: (-counts.get(t, 0), t))[:n])
+
+
+def cmd_head(args):
+    """Narrow a draft's head to --head-vocab of its kept tokens, rewriting only its head ids.
+
+    Each draft round reads the head's rows (8,192 x 576 float32 = 19 MB, half of what a round
+    reads); the rarest half of them barely ever wins: on the held-out prompts, top-1 agreement was
+    0.4395 with 8,192 rows and 0.4388 with the 4,096 most frequent (3,072: 0.4372; 2,048: 0.4327).
+    """
+    import os
+
+    import mlx.core as mx
+    import numpy as np
+
+    path = Path(args.draft)
+    weights = mx.load(str(path / "model.safetensors"))
+    ids = np.array(weights["macinfer.head_ids"]).tolist()
+    if not 0 < args.head_vocab < len(ids):
+        sys.exit(f"error: --head-vocab must be between 1 and the draft's {len(ids):,} kept tokens")
+    train = [(np.load(f), f) for f in shard_files("train")]
+    seqs = []
+    for d, _ in train:
+        off = 0
+        for n, n_p in zip(d["lens"], d["n_prompt"]):
+            seqs.append((d["tokens"][off: off + n], int(n_p)))
+            off += n
+    keep = narrow_head(ids, seqs, args.head_vocab)
+    weights["macinfer.head_ids"] = mx.array(keep, dtype=mx.int32)
+    tmp = path / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    os.replace(tmp, path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["macinfer_draft"]["head_vocab"] = len(keep)
+    meta_path = path / "train_meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        meta["head_narrowed"] = [meta.get("head_narrowed", [len(ids)])[0], len(keep)]
+        tmp = path / "train_meta.tmp.json"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, meta_path)
+    tmp = path / "config.tmp.json"
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, path / "config.json")
+    print(f"{path}: head narrowed from {len(ids):,} to {len(keep):,} tokens (by frequency in {len(seqs):,} "
+          f"training continuations); run `eval --write-readme` for its figures")
 
 
 def calibration(draft, seqs, levels=(0.3, 0.5, 0.7)) -> list:
@@ -462,7 +523,7 @@ def cmd_engine(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["feats", "train", "eval", "engine"])
+    ap.add_argument("stage", choices=["feats", "train", "eval", "engine", "head"])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--decay-steps", type=int, default=1500)
@@ -474,7 +535,7 @@ def main():
     ap.add_argument("--chain-weight", type=float, default=0.5, help="weight of the second (fed-back) pass")
     ap.add_argument("--prompt-weight", type=float, default=0.25)
     ap.add_argument("--init-layer", type=int, default=29, help="target layer the draft's layer starts from")
-    ap.add_argument("--head-vocab", type=int, default=8192)
+    ap.add_argument("--head-vocab", type=int, default=8192, help="train: tokens the head keeps; head: narrow it to")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-prompts", type=int, default=48)
     ap.add_argument("--every-step", action="store_true",
@@ -491,7 +552,7 @@ def main():
     from macinfer.errors import MacinferError
 
     try:
-        {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval, "engine": cmd_engine}[args.stage](args)
+        {"feats": cmd_feats, "train": cmd_train, "eval": cmd_eval, "engine": cmd_engine, "head": cmd_head}[args.stage](args)
     except MacinferError as e:
         sys.exit(f"error: {e}")
 
