@@ -232,3 +232,43 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
         assert not [b for b in pool.blocks[1:] if b.ref_cnt] and pool.req_to_blocks == {}
     assert d.model.states == {} and d.model.feats == {} and d.ngram._cache == {}
     assert engine.spec.acceptance == {}
+
+
+def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkeypatch):
+    """scripts/train_eagle.py head: the head keeps the N of its ids the target generates most (prompt
+    tokens do not count; ties go to the lower id), nothing else in the file changes, and the
+    narrowed draft still decodes exactly."""
+    import shutil
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import train_eagle
+
+    data = tmp_path / "data"
+    data.mkdir()
+    # Continuations: 10 x3, 6 x2, 8 x2, 12 x1, 13 (not a kept id: odd) x5. Prompt tokens: 2, 4 x9.
+    seqs = [([2, 4, 4, 10, 6, 13, 13], 3), ([4, 4, 4, 10, 8, 8, 13, 13], 3), ([4, 4, 4, 10, 6, 12, 13], 3)]
+    np.savez(data / "train-greedy-96-0000.npz", tokens=np.array(sum((s for s, _ in seqs), []), np.int32),
+             lens=np.array([len(s) for s, _ in seqs]), n_prompt=np.array([n for _, n in seqs]))
+    monkeypatch.setattr(train_eagle.td, "CACHE", data)
+    draft = tmp_path / "draft"
+    shutil.copytree(fm["draft"], draft)
+    before = mx.load(str(draft / "model.safetensors"))
+    train_eagle.cmd_head(SimpleNamespace(draft=str(draft), head_vocab=6))
+    after = mx.load(str(draft / "model.safetensors"))
+    assert after["macinfer.head_ids"].tolist() == [0, 2, 6, 8, 10, 12]  # 10, 6, 8, 12 by count, then 0, 2
+    assert set(after) == set(before) and all(mx.array_equal(after[k], before[k]).item()
+                                             for k in before if k != "macinfer.head_ids")
+    assert json.loads((draft / "config.json").read_text())["macinfer_draft"]["head_vocab"] == 6
+    assert not list(draft.glob("*.tmp.*"))
+    engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=60,
+                       draft=str(draft), num_speculative_tokens=2, adaptive_speculation=False,
+                       enable_prefix_cache=False)
+    assert engine.spec.drafter.draft.head.weight.shape[0] == 6
+    engine.spec.drafter.min_joint = 0.0  # a random draft is never sure: let it draft
+    out = run(engine, [(0, fm["prompts"][0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), "r")])
+    assert out["r"].token_ids == fm["want"][0] and out["r"].metrics.draft_tokens > 0

@@ -79,9 +79,7 @@ def test_16_concurrent_streaming_clients_each_get_their_solo_greedy_output(serve
     aengine.peak_batch = 0
     prompts = [f"Request {i}: continuous batching schedules every request at the token level." * (1 + i % 3)
                for i in range(16)]
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    async def one(i):
+    async def one(c, i):
         stream = await c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=24 + i, temperature=0,
             stream=True, extra_body={"return_token_ids": True})
@@ -92,7 +90,10 @@ def test_16_concurrent_streaming_clients_each_get_their_solo_greedy_output(serve
         return got
 
     async def main():
-        return await asyncio.gather(*(one(i) for i in range(16)))
+        # Closed inside its own event loop: a client left open is closed when garbage-collected,
+        # possibly inside a later test's event loop, which then fails with "Event loop is closed".
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
 
     results = asyncio.run(main())
     for i, got in enumerate(results):
