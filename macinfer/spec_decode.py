@@ -28,8 +28,9 @@ measured cost of a decode step (a linear fit over recent decode-only steps,
 forgetting old ones), D the measured cost of one draft-model round (0 for n-gram,
 and when no row would draft with the model), r_i how often the drafter lately declined
 a row of that kind (a feature draft unsure of its first token drafts nothing: the
-round is paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is what the drafter can
-propose (an n-gram drafter often has nothing, or a short match). Counts decay while
+round is paid, the forward is not widened; the decline counts as a rejection in a_i).
+offer_i is what the drafter can propose (an n-gram drafter often has nothing, or a
+short match). Counts decay while
 a request does not draft, so its estimate drifts back to the prior and it probes
 again now and then.
 """
