@@ -55,6 +55,7 @@ DEFAULT_OUT = REPO / "models" / "smollm2-135m-draft"
 CACHE = Path(os.environ.get("MACINFER_DRAFT_DATA", Path.home() / ".cache" / "macinfer" / "draft-data"))
 TOPK = 16
 SEED = 1234
+SAMPLE_B_SEED = 100_000  # added to the seeds of the second sampled continuation set (train-t07b)
 
 # ----------------------------------------------------------------------------------------------
 # Prompts: templates x topic pools. Pools are split (seeded) into train / held-out topics.
@@ -342,6 +343,8 @@ def cmd_data(args):
     jobs.append(("train-greedy", train_prompts(args.n_train), 0.0))
     if args.sampled:
         jobs.append(("train-t07", train_prompts(args.n_train), 0.7))
+    if "train-t07b" in args.only.split(","):  # a second temperature-0.7 sample, on other seeds
+        jobs.append(("train-t07b", train_prompts(args.n_train), 0.7))
     if args.only:
         jobs = [j for j in jobs if j[0] in args.only.split(",")]
     t0 = time.time()
@@ -356,7 +359,8 @@ def cmd_data(args):
                 continue
             chunk = prompts[s: s + args.batch]
             ids = [chat_ids(tokenizer, p) for p in chunk]
-            res = generate_batch(model, ids, args.max_new, temp, eos, seed=SEED + s, features=args.features)
+            seed = SEED + s + (SAMPLE_B_SEED if name.endswith("-t07b") else 0)
+            res = generate_batch(model, ids, args.max_new, temp, eos, seed=seed, features=args.features)
             lens = [len(r[0]) for r in res]
             if args.features:  # train_eagle.py's feats file, written first: a shard implies its features
                 feats = np.concatenate([r[4] for r in res])
@@ -750,7 +754,9 @@ def main():
     ap.add_argument("--n-train", type=int, default=480, help="training prompts")
     ap.add_argument("--max-new", type=int, default=96, help="continuation length")
     ap.add_argument("--batch", type=int, default=24, help="generation batch")
-    ap.add_argument("--only", default="", help="comma list of data jobs: heldout,train-greedy,train-t07")
+    ap.add_argument("--only", default="",
+                    help="comma list of data jobs: heldout,train-greedy,train-t07, or train-t07b (only when named: "
+                         "a second temperature-0.7 continuation of each prompt, other seeds)")
     ap.add_argument("--reverse", action="store_true", help="generate batches last-first")
     ap.add_argument("--features", action="store_true",
                     help="data: also store the target's hidden states (train_eagle.py's feats stage, for free)")
