@@ -120,12 +120,13 @@ def paged_attention(
             k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
         if window is None or S <= window and q_len == 1:
             mask = "causal" if q_len > 1 else None
-            if mask and q_len <= _SMALL_Q:
+            memo = {} if memo is None else memo
+            if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
                 # A verify step's few queries: on the CPU backend SDPA builds its causal mask in
                 # every layer (measured: 0.22 ms per layer at q_len 2 over 120 keys, against
                 # 0.15 with this additive one built once per forward); adding 0 or -inf to the
-                # scores is exactly what the causal mask does.
-                memo = {} if memo is None else memo
+                # scores is exactly what the causal mask does. Metal's fused kernel keeps "causal"
+                # (not measured there).
                 key_ = ("causal_add", q_len, S, queries.dtype)
                 if key_ not in memo:
                     seen = mx.arange(S)[None] <= mx.arange(S - q_len, S)[:, None]
