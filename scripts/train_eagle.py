@@ -426,18 +426,20 @@ def cmd_head(args):
     import mlx.core as mx
     import numpy as np
 
+    from macinfer.feature_draft import is_feature_draft
+
     path = Path(args.draft)
+    if not is_feature_draft(path):
+        sys.exit(f"error: {path} is not a feature draft directory (config.json with macinfer_draft.kind = \"feature\")")
     weights = mx.load(str(path / "model.safetensors"))
+    if "macinfer.head_ids" not in weights:
+        sys.exit(f"error: {path} has a full-vocabulary head: nothing to narrow")
     ids = np.array(weights["macinfer.head_ids"]).tolist()
     if not 0 < args.head_vocab < len(ids):
         sys.exit(f"error: --head-vocab must be between 1 and the draft's {len(ids):,} kept tokens")
-    train = [(np.load(f), f) for f in shard_files("train")]
-    seqs = []
-    for d, _ in train:
-        off = 0
-        for n, n_p in zip(d["lens"], d["n_prompt"]):
-            seqs.append((d["tokens"][off: off + n], int(n_p)))
-            off += n
+    seqs = td.load_shards("train")
+    if not seqs:
+        sys.exit(f"error: no training continuations in {td.CACHE}: run `python scripts/train_draft.py data` first")
     keep = narrow_head(ids, seqs, args.head_vocab)
     weights["macinfer.head_ids"] = mx.array(keep, dtype=mx.int32)
     tmp = path / "model.tmp.safetensors"

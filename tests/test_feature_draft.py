@@ -252,12 +252,20 @@ def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkey
     data.mkdir()
     # Continuations: 10 x3, 6 x2, 8 x2, 12 x1, 13 (not a kept id: odd) x5. Prompt tokens: 2, 4 x9.
     seqs = [([2, 4, 4, 10, 6, 13, 13], 3), ([4, 4, 4, 10, 8, 8, 13, 13], 3), ([4, 4, 4, 10, 6, 12, 13], 3)]
-    np.savez(data / "train-greedy-96-0000.npz", tokens=np.array(sum((s for s, _ in seqs), []), np.int32),
-             lens=np.array([len(s) for s, _ in seqs]), n_prompt=np.array([n for _, n in seqs]))
     monkeypatch.setattr(train_eagle.td, "CACHE", data)
     draft = tmp_path / "draft"
     shutil.copytree(fm["draft"], draft)
     before = mx.load(str(draft / "model.safetensors"))
+    # Bad input: one line each, and the draft is left as it was.
+    for where, n, says in ((tmp_path, 6, "not a feature draft"), (draft, 10**6, "--head-vocab must be"),
+                           (draft, 6, "no training continuations")):
+        with pytest.raises(SystemExit, match=says):
+            train_eagle.cmd_head(SimpleNamespace(draft=str(where), head_vocab=n))
+    assert mx.array_equal(mx.load(str(draft / "model.safetensors"))["macinfer.head_ids"], before["macinfer.head_ids"])
+    rows = sum(len(s) - 1 for s, _ in seqs)  # a shard as train_draft.py data writes it
+    np.savez(data / "train-greedy-96-0000.npz", tokens=np.array(sum((s for s, _ in seqs), []), np.int32),
+             lens=np.array([len(s) for s, _ in seqs]), n_prompt=np.array([n for _, n in seqs]),
+             topi=np.zeros((rows, 16), np.int32), topl=np.zeros((rows, 16), np.float16))
     train_eagle.cmd_head(SimpleNamespace(draft=str(draft), head_vocab=6))
     after = mx.load(str(draft / "model.safetensors"))
     assert after["macinfer.head_ids"].tolist() == [0, 2, 6, 8, 10, 12]  # 10, 6, 8, 12 by count, then 0, 2
