@@ -115,8 +115,10 @@ def heldout_chat(args):
 
     model, tok, info = load_model(None, dequantize=True)
     opts = dict(kv_memory="192MB", max_num_seqs=1, enable_prefix_cache=False, num_speculative_tokens=args.k)
-    engines = {k: LLMEngine(model, tok, info, draft=d, **opts)
-               for k, d in (("plain", None), ("feature", "smollm2-135m"), ("auto", "auto"))}
+    options = [("plain", None), ("feature", "smollm2-135m"), ("auto", "auto")]
+    if args.candidate:  # a draft being considered, beside the shipped one in the same run
+        options += [("cand", args.candidate), ("cand+ng", args.candidate + "+ngram")]
+    engines = {k: LLMEngine(model, tok, info, draft=d, **opts) for k, d in options}
     params = SamplingParams(max_tokens=args.tokens)
     prompts = [chat_ids(tok, t) for t in heldout_prompts()[: args.heldout]]
     for e in engines.values():
@@ -162,6 +164,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     ap.add_argument("--heldout", type=int, default=0, metavar="N",
                     help="instead: chat speed over N held-out chat prompts (1-48; see above)")
+    ap.add_argument("--candidate", metavar="DIR", default="",
+                    help="with --heldout: also time this feature draft directory, alone and with n-gram lookup")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be at least 1")
