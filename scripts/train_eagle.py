@@ -356,7 +356,9 @@ def readme(cfg: dict, meta: dict, ev: dict | None = None) -> str:
                   "(`FeatureDrafter.min_joint`).")
     narrowed = (f" Trained with {meta['head_narrowed'][0]:,} kept tokens, then narrowed to the {meta['head_narrowed'][1]:,} "
                 "the target generates most often (`train_eagle.py head`): a draft round reads half the head rows, "
-                "and the dropped tokens almost never won." if meta.get("head_narrowed") else "")
+                "and the dropped tokens almost never won." + (" The last run trained the narrowed draft further."
+                                                              if meta.get("trained_narrow") else "")
+                if meta.get("head_narrowed") else "")
     return f"""# smollm2-135m-eagle
 
 The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a **feature draft**
@@ -371,7 +373,7 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
   the engine feeds it through `macinfer.feature_draft.FeatureDrafter`. mlx-lm cannot run it (its
   speculative decoding hands a draft tokens, not hidden states).
 - **How**: `scripts/train_eagle.py` (seeded). Data: the target's own chat continuations of
-  `scripts/train_draft.py data` ({meta['n_train_seqs']} sequences), and the target's hidden state at every position
+  `scripts/train_draft.py data` ({meta['n_train_seqs']} sequences{'; ' + meta['data'] if meta.get('data') else ''}), and the target's hidden state at every position
   (`train_eagle.py feats`, or stored while generating: `train_draft.py data --features`). Layer initialised from target layer {meta['init_layer']}, norm from the target's
   final norm, fc = [0, I]. Loss: soft cross-entropy to the target's top-16 next-token distribution +
   hard cross-entropy to its greedy token + smooth-L1 to its real next hidden state, on a first pass
