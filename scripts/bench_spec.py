@@ -21,12 +21,14 @@ With --heldout N, instead: chat speed over N of scripts/train_draft.py's held-ou
 prompts (topics the drafts never trained on), single stream, greedy, stopping at EOS: plain,
 feature and auto, interleaved per prompt (order rotated), reported as total decoded tokens over
 total decode time per engine, and per-prompt speed-ups (min / median / max). Three fixed chat
-prompts say little about chat in general; this says more, at ~25 s per prompt.
+prompts say little about chat in general; this says more, at ~25 s per prompt. --candidate DIR
+adds a feature draft being considered, alone and with lookup, to the same interleaved run.
 
 Usage:
     python scripts/bench_spec.py                     # ~10 min on 2 shared cores
     python scripts/bench_spec.py --tokens 32 --quick # fewer prompts
-    python scripts/bench_spec.py --heldout 16 --tokens 96
+    python scripts/bench_spec.py --heldout 48 --tokens 96
+    python scripts/bench_spec.py --heldout 24 --tokens 96 --candidate ~/.cache/macinfer/my-draft
 """
 
 from __future__ import annotations
