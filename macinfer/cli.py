@@ -50,7 +50,8 @@ def run_stats(out, info, peak) -> dict:
 
     m = out.metrics
     bytes_per_step = info.bytes_per_decode_step + m.mean_kv_tokens * info.kv_bytes_per_token
-    util = utilisation(bytes_per_step, m.decode_tps, peak) if (m.decode_tps and peak) else None
+    rate = m.decode_forward_rate  # forwards, not tokens: accepted drafts cost no extra read
+    util = utilisation(bytes_per_step, rate, peak) if (rate and peak) else None
     return {
         "prompt_tokens": m.prompt_tokens,
         "cached_tokens": m.cached_tokens,

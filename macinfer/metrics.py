@@ -62,6 +62,17 @@ class RequestMetrics:
         return (self.generation_tokens - 1) / t
 
     @property
+    def decode_forward_rate(self) -> float | None:
+        """Target forward passes per second of decode. Each forward reads the weights once and
+        yields one token plus the drafts it accepted, so with speculation this is below decode_tps:
+        bandwidth is bytes per forward x forwards per second, not x tokens per second."""
+        t = self.decode_time
+        n = self.generation_tokens - 1 - self.accepted_tokens
+        if not t or t <= 0 or n < 1:
+            return None
+        return n / t
+
+    @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 

@@ -78,6 +78,28 @@ def test_bandwidth_figure_is_bytes_times_rate_over_peak(tiny_models):
     assert s["bandwidth_utilisation"] == pytest.approx(s["bytes_per_decode_step"] * s["decode_tps"] / 50e9, rel=1e-6)
 
 
+def test_bandwidth_counts_forwards_not_accepted_drafts():
+    """A verify forward reads the weights once for its token and every draft it accepts: with
+    40 tokens decoded in 30 forwards (10 accepted drafts), bandwidth is bytes x 30/s, not x 40/s."""
+    from types import SimpleNamespace
+
+    from macinfer.bandwidth import PeakBandwidth
+    from macinfer.cli import run_stats
+    from macinfer.metrics import RequestMetrics
+
+    def stats(accepted):
+        m = RequestMetrics(arrival_time=0.0, first_token_time=1.0, finish_time=2.0, prompt_tokens=8,
+                           generation_tokens=41, draft_tokens=20, accepted_tokens=accepted, spec_steps=10,
+                           kv_tokens_sum=400, decode_steps=40)
+        info = SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0)
+        return run_stats(SimpleNamespace(metrics=m, finish_reason="length"), info, PeakBandwidth(100.0, "flag"))
+
+    s = stats(accepted=10)
+    assert s["decode_tps"] == pytest.approx(40.0)
+    assert s["bandwidth_utilisation"] == pytest.approx(1e9 * 30 / 100e9)
+    assert stats(accepted=0)["bandwidth_utilisation"] == pytest.approx(1e9 * 40 / 100e9)
+
+
 def test_seeded_sampling_is_reproducible(tiny_models):
     path = tiny_models("llama")
     args = (path, PROMPT, "--json", "-n", 16, "--temp", 1.0, "--top-p", 0.95, "--peak-bandwidth", 100)

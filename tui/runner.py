@@ -238,20 +238,21 @@ class EngineRunner:
         decode = None
         if live.first_token and live.last_token and live.tokens > 1 and live.last_token > live.first_token:
             decode = (live.tokens - 1) / (live.last_token - live.first_token)
+        forwards = decode  # per second; until the request finishes, drafts accepted are not known
         cached = acceptance = None  # known when the request finishes
         prompt, generated, kv_tokens = live.prompt_tokens, live.tokens, live.prompt_tokens + live.tokens / 2
         if output is not None:
             m = output.metrics
-            ttft, prefill, decode = m.ttft, m.prefill_tps, m.decode_tps
+            ttft, prefill, decode, forwards = m.ttft, m.prefill_tps, m.decode_tps, m.decode_forward_rate
             prompt, generated, kv_tokens = m.prompt_tokens, m.generation_tokens, m.mean_kv_tokens
             cached = m.cached_tokens if b.prefix_cache else None
             acceptance = m.acceptance_rate if b.speculation else None
         bandwidth = None
-        if decode and b.peak:
+        if forwards and b.peak:
             from macinfer.bandwidth import utilisation
 
             per_step = b.info.bytes_per_decode_step + kv_tokens * b.info.kv_bytes_per_token
-            bandwidth = utilisation(per_step, decode, b.peak)
+            bandwidth = utilisation(per_step, forwards, b.peak)
         return Stats(
             ttft=ttft, prefill_tps=prefill, decode_tps=decode, step_tps=tuple(live.step_tps),
             bandwidth=bandwidth, prompt_tokens=prompt, generated_tokens=generated,
