@@ -244,3 +244,37 @@ def test_snapshot_help_screen(snap_compare, snapshot_app):
         await pilot.pause()
 
     assert snap_compare(snapshot_app, terminal_size=SIZE, run_before=open_help)
+
+
+def test_live_figures_count_steps_not_tokens(monkeypatch):
+    """While a reply streams, one engine step can bring several deltas (a verify step's accepted
+    drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
+    its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
+    from types import SimpleNamespace
+
+    import tui.runner as runner_mod
+    from macinfer.bandwidth import PeakBandwidth
+    from macinfer.outputs import StreamDelta
+
+    steps = iter([(10.0, [[5]]), (11.0, [[6], [7], [8]]), (12.0, [[9]]), (14.0, [[10], [11]])])
+    clock = [10.0]
+
+    def step():
+        clock[0], ids = next(steps)
+        return [StreamDelta("r", "x", t) for t in ids]
+
+    backend = SimpleNamespace(step=step, peak=PeakBandwidth(100.0, "flag"), prefix_cache=False, speculation=True,
+                              info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
+                              kv_stats=lambda: None, peak_memory=lambda: None)
+    runner = runner_mod.EngineRunner(lambda spec: backend, lambda message: None)
+    runner.backend = backend
+    runner.live["r"] = runner_mod._Live("r", prompt_tokens=4, arrival=9.5)
+    monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: clock[0])
+    for _ in range(4):
+        runner._step()
+    live = runner.live["r"]
+    stats = runner._stats(live, clock[0])
+    assert (live.tokens, live.steps) == (7, 3)
+    assert list(stats.step_tps) == pytest.approx([3.0, 1.0, 1.0])  # tokens of the step / its seconds
+    assert stats.decode_tps == pytest.approx(6 / 4)
+    assert stats.bandwidth == pytest.approx(1e9 * (3 / 4) / 100e9)  # 3 forwards in 4 s, not 6 tokens

@@ -71,6 +71,8 @@ class _Live:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    steps: int = 0  # decode steps (target forwards) that gave it tokens: fewer than tokens with drafts
+    prev_step: float | None = None  # when the step before the latest one ended
     step_tps: deque = field(default_factory=lambda: deque(maxlen=SPARK_STEPS))
     text: list[str] = field(default_factory=list)
     text_posted: float = 0.0
@@ -203,12 +205,17 @@ class EngineRunner:
             if live is None:
                 continue
             if delta.token_ids:
+                n = len(delta.token_ids)
                 if live.first_token is None:
                     live.first_token = now
-                elif live.last_token is not None and now > live.last_token:
-                    live.step_tps.append(len(delta.token_ids) / (now - live.last_token))
+                elif now > live.last_token:  # a new step: one step's deltas (its accepted drafts) share `now`
+                    live.steps += 1
+                    live.prev_step = live.last_token
+                    live.step_tps.append(n / (now - live.prev_step))
+                elif live.steps:  # more tokens of the same step
+                    live.step_tps[-1] += n / (now - live.prev_step)
                 live.last_token = now
-                live.tokens += len(delta.token_ids)
+                live.tokens += n
             if delta.text:
                 live.text.append(delta.text)
             if delta.finish_reason is not None:
@@ -235,10 +242,10 @@ class EngineRunner:
         b = self.backend
         ttft = (live.first_token - live.arrival) if live.first_token else None
         prefill = live.prompt_tokens / ttft if ttft else None
-        decode = None
+        decode = forwards = None  # tokens and target forwards per second of decode
         if live.first_token and live.last_token and live.tokens > 1 and live.last_token > live.first_token:
             decode = (live.tokens - 1) / (live.last_token - live.first_token)
-        forwards = decode  # per second; until the request finishes, drafts accepted are not known
+            forwards = live.steps / (live.last_token - live.first_token)
         cached = acceptance = None  # known when the request finishes
         prompt, generated, kv_tokens = live.prompt_tokens, live.tokens, live.prompt_tokens + live.tokens / 2
         if output is not None:
