@@ -173,6 +173,14 @@ def main():
         ap.error("--reps must be at least 1")
     if not 0 <= args.heldout <= 48:
         ap.error("--heldout takes 1 to 48 prompts")
+    if args.candidate:
+        from macinfer.feature_draft import is_feature_draft
+
+        if not args.heldout:
+            ap.error("--candidate goes with --heldout N")
+        if not is_feature_draft(Path(args.candidate).expanduser()):
+            ap.error(f"--candidate {args.candidate} is not a feature draft directory (see scripts/train_eagle.py)")
+        args.candidate = str(Path(args.candidate).expanduser())
     if args.heldout:
         return heldout_chat(args)
     model, tok, info, draft = load()
