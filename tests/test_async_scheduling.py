@@ -177,3 +177,41 @@ def test_async_scheduling_option_is_validated(load):
     model, tok = load("llama")
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         LLMEngine(model, tok, None, num_blocks=8, async_scheduling="no")
+
+
+def test_step_cost_learns_only_from_whole_queued_steps(load):
+    """A queued step's cost is read-back to read-back with the next step queued behind it. The
+    read-back before a synchronous (drafting) step has nothing queued behind it and, where
+    queueing waits for the step before (MLX's CPU backend), times only a step's tail: that
+    sample must not reach the cost model, or decode looks cheap and drafting never pays."""
+    import time
+
+    from test_spec_decode import ScriptedDrafter
+
+    model, tok = load("llama")
+    prompts = [[7, 19, 3, 44, 12], [90, 4, 4, 61, 8, 30, 2]]
+    want = [oracle(model, p, 30)[0] for p in prompts]
+
+    class Sometimes(ScriptedDrafter):
+        def available(self, seq, k):
+            return k if seq.num_tokens % 6 in (0, 1) else 0
+
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, num_speculative_tokens=3,
+                       draft=Sometimes(prompts, want, right=True, vocab=model.args.vocab_size))
+    observe = engine.spec.step_cost.observe
+    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+    launch = engine.runner.launch_decode
+
+    def blocking_launch(seqs, tokens):  # as on the CPU: queueing returns once the step before is done
+        time.sleep(0.03)
+        return launch(seqs, tokens)
+
+    engine.runner.launch_decode = blocking_launch
+    samples = []
+    skip = engine.spec.skip_step
+    engine.spec.skip_step = lambda running, n, seconds: (samples.append(seconds), skip(running, n, seconds))
+    out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
+    assert [out[f"r{i}"][0].token_ids for i in range(2)] == want
+    timed = [s for s in samples if s is not None]
+    assert timed and sum(o.metrics.draft_tokens for o, _ in out.values()) > 0  # both kinds of step ran
+    assert min(timed) >= 0.025, sorted(timed)[:3]
