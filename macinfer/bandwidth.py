@@ -115,6 +115,12 @@ def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBan
     return PeakBandwidth(gbps, "probe")
 
 
+def bytes_per_step(info, kv_tokens: float) -> float:
+    """Bytes one decode forward reads: the weights it streams (info.bytes_per_decode_step) plus
+    the K/V of kv_tokens context tokens (info.kv_bytes_per_token each)."""
+    return info.bytes_per_decode_step + kv_tokens * info.kv_bytes_per_token
+
+
 def utilisation(bytes_per_step: float, steps_per_s: float, peak: PeakBandwidth) -> float:
     """Fraction of peak bandwidth used: bytes/step x steps/s / peak."""
     return bytes_per_step * steps_per_s / (peak.gbps * 1e9)

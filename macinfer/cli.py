@@ -46,12 +46,12 @@ def run_stats(out, info, peak) -> dict:
     """Every figure of one finished request, for the stats line and --json."""
     import mlx.core as mx
 
-    from macinfer.bandwidth import utilisation
+    from macinfer.bandwidth import bytes_per_step, utilisation
 
     m = out.metrics
-    bytes_per_step = info.bytes_per_decode_step + m.mean_kv_tokens * info.kv_bytes_per_token
+    per_step = bytes_per_step(info, m.mean_kv_tokens)
     rate = m.decode_forward_rate  # forwards, not tokens: accepted drafts cost no extra read
-    util = utilisation(bytes_per_step, rate, peak) if (rate and peak) else None
+    util = utilisation(per_step, rate, peak) if (rate and peak) else None
     return {
         "prompt_tokens": m.prompt_tokens,
         "cached_tokens": m.cached_tokens,
@@ -60,7 +60,7 @@ def run_stats(out, info, peak) -> dict:
         "generation_tokens": m.generation_tokens,
         "decode_tps": m.decode_tps,
         "peak_memory_bytes": mx.get_peak_memory(),
-        "bytes_per_decode_step": int(bytes_per_step),
+        "bytes_per_decode_step": int(per_step),
         "peak_bandwidth_gbps": peak.gbps if peak else None,
         "peak_bandwidth_source": peak.source if peak else None,
         "bandwidth_utilisation": util,

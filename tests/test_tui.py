@@ -278,3 +278,22 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
     assert list(stats.step_tps) == pytest.approx([3.0, 1.0, 1.0])  # tokens of the step / its seconds
     assert stats.decode_tps == pytest.approx(6 / 4)
     assert stats.bandwidth == pytest.approx(1e9 * (3 / 4) / 100e9)  # 3 forwards in 4 s, not 6 tokens
+
+
+def test_live_figures_at_a_clock_reading_of_zero():
+    """A first token stamped at exactly 0.0 (a clock that starts there) is still a first token."""
+    from types import SimpleNamespace
+
+    import tui.runner as runner_mod
+    from macinfer.bandwidth import PeakBandwidth
+
+    backend = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False, speculation=False,
+                              info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
+                              kv_stats=lambda: None, peak_memory=lambda: None)
+    runner = runner_mod.EngineRunner(lambda spec: backend, lambda message: None)
+    runner.backend = backend
+    live = runner_mod._Live("r", prompt_tokens=4, arrival=-0.5, first_token=0.0, last_token=2.0, tokens=3, steps=2)
+    stats = runner._stats(live, 2.0)
+    assert stats.ttft == pytest.approx(0.5)
+    assert stats.decode_tps == pytest.approx(1.0)  # 2 tokens after the first, in 2 s
+    assert stats.bandwidth == pytest.approx(1e9 * 1.0 / 100e9)

@@ -240,10 +240,11 @@ class EngineRunner:
     def _stats(self, live: _Live, now: float, output: RequestOutput | None = None) -> Stats:
         """Figures for the metrics panel; a finished output's own metrics win (same as `macinfer run`)."""
         b = self.backend
-        ttft = (live.first_token - live.arrival) if live.first_token else None
+        ttft = (live.first_token - live.arrival) if live.first_token is not None else None  # a clock may read 0
         prefill = live.prompt_tokens / ttft if ttft else None
         decode = forwards = None  # tokens and target forwards per second of decode
-        if live.first_token and live.last_token and live.tokens > 1 and live.last_token > live.first_token:
+        if live.first_token is not None and live.last_token is not None and live.tokens > 1 \
+                and live.last_token > live.first_token:
             decode = (live.tokens - 1) / (live.last_token - live.first_token)
             forwards = live.steps / (live.last_token - live.first_token)
         cached = acceptance = None  # known when the request finishes
@@ -256,10 +257,9 @@ class EngineRunner:
             acceptance = m.acceptance_rate if b.speculation else None
         bandwidth = None
         if forwards and b.peak:
-            from macinfer.bandwidth import utilisation
+            from macinfer.bandwidth import bytes_per_step, utilisation
 
-            per_step = b.info.bytes_per_decode_step + kv_tokens * b.info.kv_bytes_per_token
-            bandwidth = utilisation(per_step, forwards, b.peak)
+            bandwidth = utilisation(bytes_per_step(b.info, kv_tokens), forwards, b.peak)
         return Stats(
             ttft=ttft, prefill_tps=prefill, decode_tps=decode, step_tps=tuple(live.step_tps),
             bandwidth=bandwidth, prompt_tokens=prompt, generated_tokens=generated,
