@@ -107,30 +107,45 @@ def test_blocks_decoded_ahead_are_hashed_for_the_prefix_cache(load):
     assert_all_free(engine)
 
 
-def test_adaptive_speculation_queues_ahead_when_it_would_not_draft(load):
-    """Drafting needs the previous token (a synchronous step); steps the adaptive choice would
-    not draft in run asynchronously. Both kinds interleave and the output stays mlx-lm's."""
+def _sometimes_drafting(load):
+    """A tiny model with a drafter that is right but has something to offer only now and then
+    -> (engine, mlx-lm's greedy continuations, a function serving both prompts -> their outputs).
+
+    Wall-clock step costs make K a coin toss on a tiny model (a 1 ms step, a loaded CI machine):
+    the cost model is fed fixed ones (1 ms + 0.1 ms per token), so the choice is the logic's.
+    """
     from test_spec_decode import ScriptedDrafter
 
     model, tok = load("llama")
     prompts = [[7, 19, 3, 44, 12], [90, 4, 4, 61, 8, 30, 2]]
     want = [oracle(model, p, 30)[0] for p in prompts]
 
-    class Sometimes(ScriptedDrafter):  # right, but has something to offer only now and then
+    class Sometimes(ScriptedDrafter):
         def available(self, seq, k):
             return k if seq.num_tokens % 6 in (0, 1) else 0
 
     drafter = Sometimes(prompts, want, right=True, vocab=model.args.vocab_size)
     engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, draft=drafter, num_speculative_tokens=3)
-    # Wall-clock step costs make K a coin toss on a tiny model (a 1 ms step, a loaded CI
-    # machine): feed the cost model fixed ones (1 ms + 0.1 ms per token) so the choice is the logic's.
     observe = engine.spec.step_cost.observe
     engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+
+    def serve():
+        out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+                           for i, p in enumerate(prompts)])
+        return [out[f"r{i}"][0] for i in range(len(prompts))]
+
+    return engine, want, serve
+
+
+def test_adaptive_speculation_queues_ahead_when_it_would_not_draft(load):
+    """Drafting needs the previous token (a synchronous step); steps the adaptive choice would
+    not draft in run asynchronously. Both kinds interleave and the output stays mlx-lm's."""
+    engine, want, serve = _sometimes_drafting(load)
     launches = _spy_launches(engine)
-    out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
+    outs = serve()
     for i, w in enumerate(want):
-        assert out[f"r{i}"][0].token_ids == w, i
-    drafted = sum(o.metrics.draft_tokens for o, _ in out.values())
+        assert outs[i].token_ids == w, i
+    drafted = sum(o.metrics.draft_tokens for o in outs)
     assert launches and drafted > 0  # both: queued-ahead plain steps and synchronous drafting steps
     assert_all_free(engine)
 
@@ -186,20 +201,7 @@ def test_step_cost_learns_only_from_whole_queued_steps(load):
     sample must not reach the cost model, or decode looks cheap and drafting never pays."""
     import time
 
-    from test_spec_decode import ScriptedDrafter
-
-    model, tok = load("llama")
-    prompts = [[7, 19, 3, 44, 12], [90, 4, 4, 61, 8, 30, 2]]
-    want = [oracle(model, p, 30)[0] for p in prompts]
-
-    class Sometimes(ScriptedDrafter):
-        def available(self, seq, k):
-            return k if seq.num_tokens % 6 in (0, 1) else 0
-
-    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, num_speculative_tokens=3,
-                       draft=Sometimes(prompts, want, right=True, vocab=model.args.vocab_size))
-    observe = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+    engine, want, serve = _sometimes_drafting(load)
     launch = engine.runner.launch_decode
 
     def blocking_launch(seqs, tokens):  # as on the CPU: queueing returns once the step before is done
@@ -210,8 +212,8 @@ def test_step_cost_learns_only_from_whole_queued_steps(load):
     samples = []
     skip = engine.spec.skip_step
     engine.spec.skip_step = lambda running, n, seconds: (samples.append(seconds), skip(running, n, seconds))
-    out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
-    assert [out[f"r{i}"][0].token_ids for i in range(2)] == want
+    outs = serve()
+    assert [o.token_ids for o in outs] == want
     timed = [s for s in samples if s is not None]
-    assert timed and sum(o.metrics.draft_tokens for o, _ in out.values()) > 0  # both kinds of step ran
+    assert timed and sum(o.metrics.draft_tokens for o in outs) > 0  # both kinds of step ran
     assert min(timed) >= 0.025, sorted(timed)[:3]

@@ -246,14 +246,26 @@ def test_snapshot_help_screen(snap_compare, snapshot_app):
     assert snap_compare(snapshot_app, terminal_size=SIZE, run_before=open_help)
 
 
-def test_live_figures_count_steps_not_tokens(monkeypatch):
-    """While a reply streams, one engine step can bring several deltas (a verify step's accepted
-    drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
-    its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
+def _stats_runner(**backend):
+    """An EngineRunner over a fake backend: 1 GB read per decode step, no KV bytes, 100 GB/s peak."""
     from types import SimpleNamespace
 
     import tui.runner as runner_mod
     from macinfer.bandwidth import PeakBandwidth
+
+    b = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False,
+                        info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
+                        kv_stats=lambda: None, peak_memory=lambda: None, **backend)
+    runner = runner_mod.EngineRunner(lambda spec: b, lambda message: None)
+    runner.backend = b
+    return runner
+
+
+def test_live_figures_count_steps_not_tokens(monkeypatch):
+    """While a reply streams, one engine step can bring several deltas (a verify step's accepted
+    drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
+    its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
+    import tui.runner as runner_mod
     from macinfer.outputs import StreamDelta
 
     steps = iter([(10.0, [[5]]), (11.0, [[6], [7], [8]]), (12.0, [[9]]), (14.0, [[10], [11]])])
@@ -263,11 +275,7 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
         clock[0], ids = next(steps)
         return [StreamDelta("r", "x", t) for t in ids]
 
-    backend = SimpleNamespace(step=step, peak=PeakBandwidth(100.0, "flag"), prefix_cache=False, speculation=True,
-                              info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
-                              kv_stats=lambda: None, peak_memory=lambda: None)
-    runner = runner_mod.EngineRunner(lambda spec: backend, lambda message: None)
-    runner.backend = backend
+    runner = _stats_runner(step=step, speculation=True)
     runner.live["r"] = runner_mod._Live("r", prompt_tokens=4, arrival=9.5)
     monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: clock[0])
     for _ in range(4):
@@ -282,16 +290,9 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
 
 def test_live_figures_at_a_clock_reading_of_zero():
     """A first token stamped at exactly 0.0 (a clock that starts there) is still a first token."""
-    from types import SimpleNamespace
-
     import tui.runner as runner_mod
-    from macinfer.bandwidth import PeakBandwidth
 
-    backend = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False, speculation=False,
-                              info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
-                              kv_stats=lambda: None, peak_memory=lambda: None)
-    runner = runner_mod.EngineRunner(lambda spec: backend, lambda message: None)
-    runner.backend = backend
+    runner = _stats_runner(speculation=False)
     live = runner_mod._Live("r", prompt_tokens=4, arrival=-0.5, first_token=0.0, last_token=2.0, tokens=3, steps=2)
     stats = runner._stats(live, 2.0)
     assert stats.ttft == pytest.approx(0.5)
