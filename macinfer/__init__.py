@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from macinfer.sampling import SamplingParams
+        from macinfer.engine.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

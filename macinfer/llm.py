@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from macinfer.engine import LLMEngine
+from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.outputs import RequestOutput, StreamDelta
-from macinfer.sampling import SamplingParams
+from macinfer.engine.outputs import RequestOutput, StreamDelta
+from macinfer.engine.sampling import SamplingParams
 
 
 class LLM:
@@ -29,7 +29,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dequantize: bool = False, **engine_options):
-        from macinfer.loader import load_model
+        from macinfer.modelio.loader import load_model
 
         self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)
         self.engine_options = engine_options

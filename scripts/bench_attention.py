@@ -44,7 +44,7 @@ def make_problem(ctx, a, dtype):
     per_seq = -(-ctx // BS)
     num_blocks = 1 + a.batch * per_seq  # block 0 is the null block
     ids = np.arange(1, num_blocks) if a.contiguous else rng.permutation(np.arange(1, num_blocks))
-    pool_shape = (a.kv_heads, num_blocks * BS, a.head_dim)  # head-major slots (macinfer.paged_attention)
+    pool_shape = (a.kv_heads, num_blocks * BS, a.head_dim)  # head-major slots (macinfer.kv.paged_attention)
     return dict(
         queries=mx.random.normal((a.batch, a.heads, 1, a.head_dim)).astype(dtype),
         k_pool=mx.random.normal(pool_shape).astype(dtype),
@@ -78,15 +78,15 @@ def main(argv=None):
     import macinfer  # noqa: F401  (OpenBLAS before mlx)
     import mlx.core as mx
 
-    from macinfer import metal_attention as ma
-    from macinfer.paged_attention import paged_attention
+    from macinfer.kv import metal_attention as ma
+    from macinfer.kv.paged_attention import paged_attention
 
     metal = ma.metal_available()
     dtype = getattr(mx, a.dtype or ("float16" if metal else "float32"))
     print(f"mlx {mx.__version__}; Metal: {'yes, ' + mx.device_info().get('device_name', '') if metal else 'no'}")
     print(f"shape: batch {a.batch}, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, block {a.block_size}, "
           f"{dtype}, {'contiguous' if a.contiguous else 'shuffled'} blocks; baseline: gather + SDPA "
-          f"(macinfer.paged_attention)")
+          f"(macinfer.kv.paged_attention)")
     kernel = None
     if not metal:
         print("no Metal on this host: the kernel cannot run here; timing the reference path only")
@@ -131,9 +131,9 @@ def end_to_end(spec, contexts, n_tokens, backends):
     import random
     import time
 
-    from macinfer.engine import LLMEngine
-    from macinfer.loader import load_model
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.modelio.loader import load_model
+    from macinfer.engine.sampling import SamplingParams
 
     model, tok, info = load_model(spec)
     print(f"end-to-end decode, {info.name} ({info.quantization}), {n_tokens} tokens after the context")

@@ -35,8 +35,8 @@ import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator, stream_generate  # noqa: E402
 
-from macinfer.engine import LLMEngine  # noqa: E402
-from macinfer.sampling import SamplingParams  # noqa: E402
+from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from macinfer.engine.sampling import SamplingParams  # noqa: E402
 
 SENTENCES = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
@@ -255,7 +255,7 @@ def main():
     default = None
     if not args.quick:
         try:
-            from macinfer.loader import load_model
+            from macinfer.modelio.loader import load_model
 
             default = load_model(None, dequantize=True)  # float32 (see module docstring)
         except Exception as e:  # noqa: BLE001

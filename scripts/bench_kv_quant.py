@@ -34,9 +34,9 @@ def main():
     ap.add_argument("--dequantize", action="store_true")
     a = ap.parse_args()
 
-    from macinfer.engine import LLMEngine
-    from macinfer.loader import load_model
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.modelio.loader import load_model
+    from macinfer.engine.sampling import SamplingParams
 
     model, tok, info = load_model(a.model, dequantize=a.dequantize)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
-from macinfer.engine import LLMEngine  # noqa: E402
-from macinfer.sampling import SamplingParams  # noqa: E402
+from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from macinfer.engine.sampling import SamplingParams  # noqa: E402
 
 TEXT = (
     "You are a careful assistant for a library. Answer questions about opening hours, loans, "

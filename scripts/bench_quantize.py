@@ -69,7 +69,7 @@ HEADER = ("| weights | recipe | method | bits/w | size | ppl | ppl / ref | top-1
 
 
 def row(r, ref, recipe: str, method: str, seconds: float | None) -> str:
-    from macinfer.cli_quantize import fmt_bytes
+    from macinfer.cli.quantize import fmt_bytes
 
     tps = "-" if r.decode_tps is None else f"{r.decode_tps:.1f}"
     secs = "-" if seconds is None else f"{seconds:.0f}"
@@ -79,8 +79,8 @@ def row(r, ref, recipe: str, method: str, seconds: float | None) -> str:
 
 def run(label: str, src: str, rows, work: Path, text: Path | None, calibration: Path | None,
         eval_kw: dict, awq_kw: dict) -> None:
-    from macinfer.evaluate import evaluate, read_text
-    from macinfer.quantize import QuantConfig, quantize
+    from macinfer.modelio.evaluate import evaluate, read_text
+    from macinfer.modelio.quantize import QuantConfig, quantize
 
     body = read_text(text)
     t = time.perf_counter()

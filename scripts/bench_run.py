@@ -30,7 +30,7 @@ def bench_engines(model_spec, repeats, tokens, dequantize):
     from mlx_lm.generate import stream_generate
 
     from macinfer.llm import LLM
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.sampling import SamplingParams
 
     # Prefix cache off: repeats of one prompt would otherwise be cache hits (not what is compared).
     llm = LLM(model_spec, dequantize=dequantize, enable_prefix_cache=False)
@@ -61,7 +61,7 @@ def prefill_child(model_spec, n_tokens, dequantize):
     import mlx.core as mx
 
     from macinfer import _blas
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     model, tok, _ = load_model(model_spec, dequantize=dequantize)
     ids = (tok.encode("The history of Paris is long and rich. " * 200))[:n_tokens]

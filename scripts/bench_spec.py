@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 
-from macinfer.engine import LLMEngine  # noqa: E402
-from macinfer.sampling import SamplingParams  # noqa: E402
+from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from macinfer.engine.sampling import SamplingParams  # noqa: E402
 
 CHAT = [
     "What is the capital of France? Answer in one sentence.",
@@ -69,8 +69,8 @@ RANDOM = "Continue this list of random words: zebra quantum velvet 7 orbit mango
 
 
 def load():
-    from macinfer.draft_model import load_draft
-    from macinfer.loader import load_model
+    from macinfer.spec.draft_model import load_draft
+    from macinfer.modelio.loader import load_model
 
     model, tok, info = load_model(None, dequantize=True)
     tokens_draft = load_draft("smollm2-135m-tokens", model, tok)
@@ -113,7 +113,7 @@ def heldout_chat(args):
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_draft import heldout_prompts
 
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     model, tok, info = load_model(None, dequantize=True)
     opts = dict(kv_memory="192MB", max_num_seqs=1, enable_prefix_cache=False, num_speculative_tokens=args.k)
@@ -174,7 +174,7 @@ def main():
     if not 0 <= args.heldout <= 48:
         ap.error("--heldout takes 1 to 48 prompts")
     if args.candidate:
-        from macinfer.feature_draft import is_feature_draft
+        from macinfer.spec.feature_draft import is_feature_draft
 
         if not args.heldout:
             ap.error("--candidate goes with --heldout N")

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from macinfer.engine import LLMEngine
-from macinfer.sampling import SamplingParams
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.engine.sampling import SamplingParams
 from test_engine import assert_all_free, oracle, run
 
 

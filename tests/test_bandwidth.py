@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from macinfer import bandwidth
+from macinfer.perf import bandwidth
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from macinfer import bench
-from macinfer.cli import main
+from macinfer.perf import bench
+from macinfer.cli.main import main
 
 
 def test_summary_percentiles_and_throughput():
@@ -53,7 +53,7 @@ def test_cli_in_process_with_mlx_lm_comparison_json_and_plot(tiny_models, tmp_pa
 
 def test_cli_against_a_server_url(tiny_models):
     from macinfer.llm import LLM
-    from macinfer.server import create_app, serve_in_thread
+    from macinfer.serve.server import create_app, serve_in_thread
 
     llm = LLM(str(tiny_models("llama")), num_blocks=65)
     with serve_in_thread(create_app(llm)) as url:

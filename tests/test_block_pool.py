@@ -2,9 +2,9 @@
 
 import pytest
 
-from macinfer.block_pool import BlockPool
-from macinfer.sampling import SamplingParams
-from macinfer.sequence import Sequence
+from macinfer.engine.block_pool import BlockPool
+from macinfer.engine.sampling import SamplingParams
+from macinfer.engine.sequence import Sequence
 
 
 def ids(blocks):

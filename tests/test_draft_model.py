@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from macinfer.draft_model import SHIPPED_DRAFTS, SubsetHead, load_draft
+from macinfer.spec.draft_model import SHIPPED_DRAFTS, SubsetHead, load_draft
 from macinfer.errors import MacinferError
 
 # A held-out prompt kind (scripts/train_draft.py never trains on held-out topics).
@@ -24,7 +24,7 @@ MIN_FEATURE_ACCEPTANCE = 0.25
 
 @pytest.fixture(scope="module")
 def target():
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     model, tokenizer, _ = load_model(None, dequantize=True)
     return model, tokenizer
@@ -81,12 +81,12 @@ def test_shipped_draft_is_accepted(target):
 
 
 def test_shipped_feature_draft_is_accepted(target):
-    """The default SmolLM2 draft reads the target's hidden states (macinfer.feature_draft)."""
+    """The default SmolLM2 draft reads the target's hidden states (macinfer.spec.feature_draft)."""
     import mlx.core as mx
 
-    from macinfer.engine import LLMEngine
-    from macinfer.feature_draft import FeatureDraft
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.spec.feature_draft import FeatureDraft
+    from macinfer.engine.sampling import SamplingParams
 
     model, tokenizer = target
     draft = load_draft("smollm2-135m", model, tokenizer)
@@ -113,9 +113,9 @@ def test_auto_is_the_shipped_draft_with_lookup(target):
     """draft="auto" for the embedded model: its feature draft, plus n-gram lookup where text repeats."""
     from types import SimpleNamespace
 
-    from macinfer.drafter import LookupDrafter
-    from macinfer.engine import LLMEngine
-    from macinfer.feature_draft import FeatureDrafter
+    from macinfer.spec.drafter import LookupDrafter
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.spec.feature_draft import FeatureDrafter
 
     model, tokenizer = target
     info = SimpleNamespace(name="smollm2-135m", context_length=8192)
@@ -134,7 +134,7 @@ def _leaves(m):
 
 
 def test_embeddingless_draft_vocab_mismatch(tiny_models, tmp_path):
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     model, tokenizer, _ = load_model(str(tiny_models("llama")))
     bad = tmp_path / "draft"
@@ -144,7 +144,7 @@ def test_embeddingless_draft_vocab_mismatch(tiny_models, tmp_path):
 
 
 def test_full_draft_tokenizer_must_match(tiny_models, tmp_path):
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     from tiny import build_tiny_model
 

@@ -1,4 +1,4 @@
-"""GGUF import (macinfer.gguf) and the embedded default model (macinfer.embedded).
+"""GGUF import (macinfer.modelio.gguf) and the embedded default model (macinfer.modelio.embedded).
 
 Oracles:
 - Round trip: a tiny llama is written as GGUF here, the way llama.cpp's
@@ -20,9 +20,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from macinfer.embedded import cache_dir, embedded_gguf_path, ensure_converted
+from macinfer.modelio.embedded import cache_dir, embedded_gguf_path, ensure_converted
 from macinfer.errors import MacinferError
-from macinfer.gguf import convert_gguf, read_header, write_tokenizer
+from macinfer.modelio.gguf import convert_gguf, read_header, write_tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -148,7 +148,7 @@ def logits(model, ids: list[int]) -> mx.array:
 def test_round_trip_matches_original(tiny_models, tmp_path, monkeypatch, dtype, tied, shard_bytes):
     import mlx_lm
 
-    import macinfer.gguf as g
+    import macinfer.modelio.gguf as g
 
     if shard_bytes:
         monkeypatch.setattr(g, "MAX_SHARD_BYTES", shard_bytes)
@@ -339,7 +339,7 @@ def test_output_exists(tiny_gguf, tmp_path):
 
 
 def test_crash_mid_write_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
-    import macinfer.gguf as g
+    import macinfer.modelio.gguf as g
 
     def boom(weights, out):
         (out / "model.safetensors").write_bytes(b"half")
@@ -369,7 +369,7 @@ def test_ensure_converted_caches(tiny_gguf, tmp_path, monkeypatch):
 
 
 def test_ensure_converted_loses_race_gracefully(tiny_gguf, tmp_path, monkeypatch):
-    import macinfer.gguf as g
+    import macinfer.modelio.gguf as g
 
     monkeypatch.setenv("MACINFER_HOME", str(tmp_path / "home"))
     real = g.convert_gguf

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from macinfer import kv_calc
-from macinfer.cli import main
+from macinfer.perf import kv_calc
+from macinfer.cli.main import main
 
 # Llama-2-70B: 80 layers, 64 heads / 8 KV heads, head_dim 8192/64 = 128, float16.
 PER_TOKEN = 2 * 80 * 8 * 128 * 2  # = 327,680 bytes
@@ -52,7 +52,7 @@ def test_kv_quantisation_pays_scales_and_biases(bits, per_value):
 
 
 def test_model_directory_measures_weight_files_and_matches_loader(tiny_models):
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     path = tiny_models("llama")
     m = kv_calc.resolve_kv_model(str(path))

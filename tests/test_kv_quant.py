@@ -2,11 +2,11 @@
 
 import pytest
 
-from macinfer.engine import LLMEngine
+from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.kv_quant import kv_group_size, quantized_bytes_per_token
-from macinfer.paged_cache import LayerSpec
-from macinfer.sampling import SamplingParams
+from macinfer.kv.quant import kv_group_size, quantized_bytes_per_token
+from macinfer.kv.paged_cache import LayerSpec
+from macinfer.engine.sampling import SamplingParams
 
 
 def test_bytes_per_token_by_hand():
@@ -25,7 +25,7 @@ def test_bytes_per_token_by_hand():
 
 
 def _load(path, **opts):
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     model, tok, info = load_model(str(path))
     return LLMEngine(model, tok, info, **opts), tok

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macinfer import metal_attention as ma
+from macinfer.kv import metal_attention as ma
 from macinfer.errors import MacinferError
 
 
@@ -115,7 +115,7 @@ def test_reference_accepts_lists_and_keeps_dtype():
 
 
 def test_reference_matches_engine_paged_attention():
-    engine = pytest.importorskip("macinfer.paged_attention")
+    engine = pytest.importorskip("macinfer.kv.paged_attention")
     for i, case in enumerate(ma.self_check_cases(block_size=8, head_dim=32)):
         args = ma.random_problem(i, head_dim=32, block_size=8, **case)
         assert_close(ma.paged_attention_online(**args), engine.paged_attention(**args))
@@ -489,7 +489,7 @@ def test_emulated_buggy_source_is_rejected(emulator):
 
 
 def test_emulated_kernel_passes_self_check_against_engine_reference(emulator):
-    engine = pytest.importorskip("macinfer.paged_attention")
+    engine = pytest.importorskip("macinfer.kv.paged_attention")
     assert ma.self_check(emulated_kernel(emulator), engine.paged_attention, dtypes=(mx.float32,)) is None
 
 
@@ -528,10 +528,10 @@ def test_bench_script_end_to_end_decode(capsys, tiny_models):
 
 def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models):
     """Wired into the engine: auto -> reference here, metal -> one clear error, kernel hook used when set."""
-    from macinfer.engine import LLMEngine
+    from macinfer.engine.llm_engine import LLMEngine
     from macinfer.errors import MacinferError
-    from macinfer.loader import load_model
-    from macinfer.paged_attention import paged_attention
+    from macinfer.modelio.loader import load_model
+    from macinfer.kv.paged_attention import paged_attention
 
     model, tok, info = load_model(str(tiny_models("llama")))
     engine = LLMEngine(model, tok, info, num_blocks=16)
@@ -547,7 +547,7 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
         return paged_attention(*args, **kw)
 
     engine.runner.ctx.attention_fn = spy
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.sampling import SamplingParams
 
     engine.add_request(tok.encode("hello world"), SamplingParams(max_tokens=2))
     while engine.has_unfinished():

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macinfer.paged_attention import block_slots, paged_attention
-from macinfer.paged_cache import ForwardContext, LayerSpec, PagedKVCache
+from macinfer.kv.paged_attention import block_slots, paged_attention
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 
 BS, H, D = 4, 2, 8
 
@@ -107,7 +107,7 @@ def test_attention_over_contiguous_shuffled_and_batched_tables(q_len, window):
 def test_few_queries_use_an_additive_mask_bit_identical_to_causal(q_len):
     """A verify step's few queries get a memoised additive mask instead of SDPA's "causal"
     (cheaper on the CPU backend); the outputs are the same bits, so greedy stays mlx-lm's."""
-    import macinfer.paged_attention as pa
+    import macinfer.kv.paged_attention as pa
 
     rng = np.random.default_rng(q_len)
     C, n_heads = 29, 2 * H

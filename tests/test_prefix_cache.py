@@ -10,11 +10,11 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from macinfer.block_pool import BlockPool
-from macinfer.engine import LLMEngine
-from macinfer.prefix_cache import hash_block_tokens, hash_blocks
-from macinfer.sampling import SamplingParams
-from macinfer.sequence import Sequence
+from macinfer.engine.block_pool import BlockPool
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.engine.prefix_cache import hash_block_tokens, hash_blocks
+from macinfer.engine.sampling import SamplingParams
+from macinfer.engine.sequence import Sequence
 from test_engine import assert_all_free, oracle, run
 
 ROOT = b"model"
@@ -282,7 +282,7 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
 
     from click.testing import CliRunner
 
-    from macinfer.cli import main
+    from macinfer.cli.main import main
 
     monkeypatch.setenv("MACINFER_PREFIX_CACHE_DIR", str(tmp_path))
     path = str(tiny_models("llama"))
@@ -309,7 +309,7 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     head-major: files saved by older versions load into the right slots, unchanged."""
     from types import SimpleNamespace
 
-    from macinfer.kv_store import FORMAT, DiskPrefixStore
+    from macinfer.engine.kv_store import FORMAT, DiskPrefixStore
 
     bs, H, D, nb = 4, 2, 8, 6
     rng = random.Random(0)

@@ -1,4 +1,4 @@
-"""`macinfer quantize` / `macinfer eval` (macinfer.quantize, macinfer.evaluate, macinfer.cli_quantize).
+"""`macinfer quantize` / `macinfer eval` (macinfer.modelio.quantize, macinfer.modelio.evaluate, macinfer.cli.quantize).
 
 Oracles: mlx_lm.load on the same output directory (logits must be identical to
 macinfer's loader), a by-hand byte count for bits per weight, quantising the same
@@ -21,9 +21,9 @@ import pytest
 from click.testing import CliRunner
 from tiny import CORPUS, build_tiny_model, train_tokenizer
 
-from macinfer.cli_quantize import eval_cmd, quantize_cmd
+from macinfer.cli.quantize import eval_cmd, quantize_cmd
 from macinfer.errors import MacinferError
-from macinfer.quantize import QuantConfig, quantize, weight_bytes
+from macinfer.modelio.quantize import QuantConfig, quantize, weight_bytes
 
 PROMPT = "Paged attention stores the key value cache in fixed size blocks."
 
@@ -50,7 +50,7 @@ def cli(cmd, *args):
 def test_round_trip_both_loaders_identical(tiny_models, tmp_path, arch, recipe, bits, group):
     import mlx_lm
 
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     src = tiny_models(arch)
     out = tmp_path / "q"
@@ -210,7 +210,7 @@ def trained_tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_awq_beats_round_to_nearest(trained_tiny, tmp_path, bits):
-    from macinfer.evaluate import evaluate
+    from macinfer.modelio.evaluate import evaluate
 
     src, text_file = trained_tiny
     text = text_file.read_text()
@@ -254,7 +254,7 @@ def test_eval_same_numbers_as_by_hand(tiny_models):
     import mlx.nn as nn
     import mlx_lm
 
-    from macinfer.evaluate import evaluate
+    from macinfer.modelio.evaluate import evaluate
 
     src = tiny_models("llama")
     model, tok = mlx_lm.load(str(src))

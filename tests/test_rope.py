@@ -1,4 +1,4 @@
-"""SharedRoPE (macinfer.rope): bit-identical to mx.fast.rope, installed only where exact."""
+"""SharedRoPE (macinfer.kv.rope): bit-identical to mx.fast.rope, installed only where exact."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
 
-from macinfer.engine import LLMEngine
-from macinfer.rope import SharedRoPE, _angles, _apply, install_shared_rope, rotation_matches
-from macinfer.sampling import SamplingParams
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.kv.rope import SharedRoPE, _angles, _apply, install_shared_rope, rotation_matches
+from macinfer.engine.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

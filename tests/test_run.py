@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 from oracle import mlx_lm_greedy, mlx_lm_load
 
-from macinfer.cli import main
+from macinfer.cli.main import main
 
 PROMPT = "Paged attention stores the key value cache"
 
@@ -54,7 +54,7 @@ def test_stats_line_and_streamed_text(tiny_models):
 
 
 def test_stats_line_splits_drafts_by_drafter():
-    from macinfer.cli import stats_line
+    from macinfer.cli.main import stats_line
 
     s = {"prompt_tokens": 9, "cached_tokens": 0, "ttft_s": 0.1, "prefill_tps": 90.0, "generation_tokens": 40,
          "decode_tps": 12.0, "peak_memory_bytes": 2**20, "bandwidth_utilisation": None, "draft_tokens": 30,
@@ -66,7 +66,7 @@ def test_stats_line_splits_drafts_by_drafter():
 
 
 def test_bandwidth_figure_is_bytes_times_rate_over_peak(tiny_models):
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     path = tiny_models("llama")
     r = run(path, PROMPT, "--json", "-n", 16, "--no-chat-template", "--peak-bandwidth", 50)
@@ -83,9 +83,9 @@ def test_bandwidth_counts_forwards_not_accepted_drafts():
     40 tokens decoded in 30 forwards (10 accepted drafts), bandwidth is bytes x 30/s, not x 40/s."""
     from types import SimpleNamespace
 
-    from macinfer.bandwidth import PeakBandwidth
-    from macinfer.cli import run_stats
-    from macinfer.metrics import RequestMetrics
+    from macinfer.perf.bandwidth import PeakBandwidth
+    from macinfer.cli.main import run_stats
+    from macinfer.engine.metrics import RequestMetrics
 
     def stats(accepted):
         m = RequestMetrics(arrival_time=0.0, first_token_time=1.0, finish_time=2.0, prompt_tokens=8,
@@ -158,7 +158,7 @@ def test_embedded_model_answers_paris_like_mlx_lm():
     """The embedded SmolLM2 end to end: `macinfer run` equals mlx-lm's greedy tokens and names Paris."""
     from mlx_lm.generate import stream_generate
 
-    from macinfer.loader import load_model
+    from macinfer.modelio.loader import load_model
 
     r = run("What is the capital of France?", "--json", "-n", 8, "--peak-bandwidth", 100)
     assert r.exit_code == 0, r.output

@@ -10,7 +10,7 @@ import pytest
 from oracle import mlx_lm_greedy, mlx_lm_load
 
 from macinfer.llm import LLM
-from macinfer.server import create_app, serve_in_thread
+from macinfer.serve.server import create_app, serve_in_thread
 
 MODEL = "tiny-llama"
 
@@ -214,7 +214,7 @@ def test_api_key_is_checked_on_every_request(tiny_models):
 def test_serve_cli_help_and_one_line_error():
     from click.testing import CliRunner
 
-    from macinfer.cli import main
+    from macinfer.cli.main import main
 
     r = CliRunner().invoke(main, ["serve", "--help"])
     assert r.exit_code == 0 and "macinfer serve ./my-mlx-model" in r.output
@@ -224,8 +224,8 @@ def test_serve_cli_help_and_one_line_error():
 
 
 def test_serial_fallback_engine_is_exact_but_not_batched(tiny_models):
-    from macinfer.async_engine import AsyncEngine, SerialEngine
-    from macinfer.sampling import SamplingParams
+    from macinfer.serve.async_engine import AsyncEngine, SerialEngine
+    from macinfer.engine.sampling import SamplingParams
 
     path = tiny_models("llama")
     llm = LLM(str(path), num_blocks=65)

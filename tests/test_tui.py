@@ -203,7 +203,7 @@ async def test_prompt_keys_and_load_progress(tiny, monkeypatch):
 
 
 def test_chat_help_lists_an_example():
-    from macinfer.cli import main
+    from macinfer.cli.main import main
 
     r = CliRunner().invoke(main, ["chat", "--help"])
     assert r.exit_code == 0 and "macinfer chat" in r.output and "Examples" in r.output
@@ -251,7 +251,7 @@ def _stats_runner(**backend):
     from types import SimpleNamespace
 
     import tui.runner as runner_mod
-    from macinfer.bandwidth import PeakBandwidth
+    from macinfer.perf.bandwidth import PeakBandwidth
 
     b = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False,
                         info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
@@ -266,7 +266,7 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
     drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
     its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
     import tui.runner as runner_mod
-    from macinfer.outputs import StreamDelta
+    from macinfer.engine.outputs import StreamDelta
 
     steps = iter([(10.0, [[5]]), (11.0, [[6], [7], [8]]), (12.0, [[9]]), (14.0, [[10], [11]])])
     clock = [10.0]

@@ -18,8 +18,8 @@ from macinfer.errors import MacinferError
 from tui.messages import KVStats, ModelCard
 
 if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done on the engine thread
-    from macinfer.outputs import StreamDelta
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.outputs import StreamDelta
+    from macinfer.engine.sampling import SamplingParams
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
 
@@ -39,12 +39,12 @@ def release_thread() -> None:
 
 
 def find_peak(override: float | None):
-    """The named peak bandwidth (macinfer.bandwidth); None if it cannot be found."""
-    from macinfer import bandwidth
+    """The named peak bandwidth (macinfer.perf.bandwidth); None if it cannot be found."""
+    from macinfer.perf import bandwidth
 
     try:
         return bandwidth.peak_bandwidth(override)
-    except ImportError:  # its probe cache lives in macinfer.embedded; probe uncached
+    except ImportError:  # its probe cache lives in macinfer.modelio.embedded; probe uncached
         return bandwidth.PeakBandwidth(bandwidth.probe_gbps(), "probe")
     except Exception:
         return None
@@ -77,7 +77,7 @@ class ChatBackend:
         """Load the model (converting a GGUF first, with progress) and find the peak bandwidth."""
         progress("importing MLX", 0, None)
         from macinfer.llm import LLM
-        from macinfer.loader import resolve
+        from macinfer.modelio.loader import resolve
 
         # Resolve first with our own progress callback, so a first-time GGUF
         # conversion reports to the UI (the loader's default bar would draw on stderr).
@@ -196,7 +196,7 @@ class ChatBackend:
         return f"{what} {'on' if on else 'off'}{detail}"
 
     def _rebuild_engine(self, options: dict) -> None:
-        from macinfer.engine import LLMEngine
+        from macinfer.engine.llm_engine import LLMEngine
 
         self.llm.engine = self.engine = None
         gc.collect()  # drop the old KV pool before allocating the new one

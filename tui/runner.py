@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Callable
 from textual.message import Message
 
 from macinfer.errors import MacinferError
-from macinfer.outputs import RequestOutput
+from macinfer.engine.outputs import RequestOutput
 from tui.backend import release_thread
 
 if TYPE_CHECKING:
-    from macinfer.sampling import SamplingParams
+    from macinfer.engine.sampling import SamplingParams
     from tui.backend import ChatBackend
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)
@@ -257,7 +257,7 @@ class EngineRunner:
             acceptance = m.acceptance_rate if b.speculation else None
         bandwidth = None
         if forwards and b.peak:
-            from macinfer.bandwidth import bytes_per_step, utilisation
+            from macinfer.perf.bandwidth import bytes_per_step, utilisation
 
             bandwidth = utilisation(bytes_per_step(b.info, kv_tokens), forwards, b.peak)
         return Stats(

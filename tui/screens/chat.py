@@ -229,7 +229,7 @@ class ChatScreen(Screen):
 
     async def cmd_model(self, arg: str) -> None:
         if not arg:
-            from macinfer.loader import read_catalog
+            from macinfer.modelio.loader import read_catalog
 
             names = ", ".join(read_catalog().get("models", {}))
             await self._notice(f"model: {self.model_name or 'none'}. /model MODEL switches (catalog: {names})")

@@ -1,0 +1,1 @@
+"""The `macinfer` command line: one module per command."""

@@ -1,0 +1,264 @@
+"""Runs one scheduled step through the model and samples the next tokens.
+
+Batch shapes. mlx-lm models take (B, L) token arrays with one rope offset per row,
+so a step is cut into a few forwards:
+
+  - every row with 1 new token (decodes, and a 1-token prefill tail) goes into ONE
+    forward of shape (B, 1), rows at different positions (per-row rope offsets,
+    per-row context lengths in attention);
+  - prefill chunks go into (B, L) forwards padded at the end to the longest,
+    grouped so that padding stays under 25% of the rows computed.
+
+Padding a long chunk and 31 decodes into one (32, L) batch would compute
+31 * (L - 1) wasted rows, so the split is the cheaper "mixed batch". The forwards of a step
+are evaluated one after the other (see the NOTE in execute_model).
+
+Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
+a seeded request draws the same tokens whatever else is in the batch. Greedy
+rows share one argmax.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
+from macinfer.kv.rope import install_shared_rope
+from macinfer.engine.scheduler import ScheduledSequence
+
+
+class ModelRunner:
+    """Owns the KV pools of every layer and executes scheduled steps.
+
+    Args:
+        model: an mlx-lm model (already probed by `inspect_model`).
+        specs: one LayerSpec per layer.
+        num_blocks: blocks per pool (block 0 is the null block).
+        block_size: token slots per block.
+        batch_decode: False if the model cannot take per-row rope offsets; decodes
+            then run one row per forward.
+    """
+
+    def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
+                 batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.batch_decode = batch_decode
+        self.ctx = ForwardContext()
+        if kv_bits:
+            from macinfer.kv.quant import QuantizedPagedKVCache
+
+            self.caches = [QuantizedPagedKVCache(self.ctx, spec, num_blocks, block_size, kv_bits, kv_group_size)
+                           for spec in specs]
+        else:
+            self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
+        install_attention_patch(model)
+        install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
+        mx.eval([c.state for c in self.caches])
+        # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
+        self.hidden_sink = None
+        self._body = self._head = None
+        self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
+
+    def set_hidden_sink(self, sink) -> None:
+        """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
+        from macinfer.spec.feature_draft import split_head
+
+        self._body, self._head = split_head(self.model)
+        self.hidden_sink = sink
+
+    def _hidden(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
+        """The final hidden states (B, L, D) of a forward, reported to the sink."""
+        h = self._body(tokens, cache=self.caches)
+        self.hidden_sink(seqs, starts, counts, h)
+        # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
+        # still reads the pools, and a later write to them would then copy every pool.
+        self._hidden_out.append(h)
+        return h
+
+    def _take_hidden(self) -> list[mx.array]:
+        out, self._hidden_out = self._hidden_out, []
+        return out
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def _forward(self, rows: list[ScheduledSequence], all_logits: bool = False) -> mx.array:
+        """One forward over rows padded to the longest -> each row's last real logits (B, V).
+
+        With all_logits, the logits of every position instead: (B, L, V).
+
+        Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
+        the null block, its queries see only garbage that nobody reads.
+        """
+        bs = self.block_size
+        L = max(r.num_new_tokens for r in rows)
+        tokens, blocks, slots, last, starts = [], [], [], [], []
+        for r in rows:
+            seq, start, n = r.seq, r.seq.num_computed_tokens, r.num_new_tokens
+            ids = seq.token_ids[start: start + n]
+            if len(ids) < n:  # drafted tokens follow the last real one (macinfer.spec.decoder)
+                ids = ids + seq.spec_token_ids[: n - len(ids)]
+            tokens.append(ids + [0] * (L - n))
+            table = seq.block_table
+            for p in range(start, start + n):
+                blocks.append(table[p // bs])
+                slots.append(p % bs)
+            blocks += [0] * (L - n)
+            slots += [0] * (L - n)
+            last.append(n - 1)
+            starts.append(start)
+        self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
+        inputs = mx.array(tokens, dtype=mx.int32)
+        if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
+            h = self._hidden(inputs, [r.seq for r in rows], starts, [r.num_new_tokens for r in rows])
+            if all_logits:
+                return self._head(h)
+            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(rows)), mx.array(last)]
+            return self._head(h)  # (B, V): the head on the sampled positions only
+        if all_logits:
+            return self.model(inputs, cache=self.caches)  # (B, L, V)
+        logits = (self.model(inputs, cache=self.caches) if L == 1
+                  else _last_rows_only(self.model, inputs, self.caches, last))
+        if logits.shape[1] == 1:  # the head ran on each row's last real position only
+            return logits[:, 0, :]
+        if all(n == L - 1 for n in last):
+            return logits[:, -1, :]
+        return logits[mx.arange(len(rows)), mx.array(last)]
+
+    def _set_context(self, starts: list[int], L: int, tables: list[list[int]], blocks: list[int],
+                     slots: list[int]) -> None:
+        """Per-forward metadata every layer's cache reads (rows of L tokens from starts)."""
+        c = self.ctx
+        c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
+        c.block_tables = tables
+        c.context_lens = [s + L for s in starts]
+        c.slot_blocks = mx.array(blocks, dtype=mx.int32)
+        c.slot_offsets = mx.array(slots, dtype=mx.int32)
+        c.memo = {}
+
+    def launch_decode(self, seqs: list, tokens: mx.array) -> mx.array:
+        """Async scheduling: queue one decode row per sequence without waiting for anything.
+
+        Each seq computes the token at position seq.num_computed_tokens (its slot is
+        allocated); `tokens` (B,) are the input ids, usually the previous step's sampled
+        ids, still lazy. The graph is built now and handed to mx.async_eval, so the host
+        can resolve the previous step (and build the next one) while this one computes,
+        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,).
+        """
+        bs = self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        self._set_context(starts, 1, [s.block_table for s in seqs],
+                          [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
+        if self.hidden_sink is None:
+            logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
+        else:
+            logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
+        if all(s.sampler.params.greedy for s in seqs):
+            sampled = mx.argmax(logits, axis=-1)
+        else:
+            sampled = mx.concatenate([mx.argmax(logits[j: j + 1], axis=-1) if s.sampler.params.greedy
+                                      else s.sampler(logits[j: j + 1]) for j, s in enumerate(seqs)])
+        # The pools too: each forward's K/V writes must be queued before the next is built on them.
+        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden())
+        return sampled
+
+    def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
+        """Rows per forward: all 1-token rows together; chunks batched while padding stays small.
+
+        A decode row with drafts (1 token + k drafts) joins the 1-token rows: the forward is
+        padded to 1 + max k, which costs far less than a second forward (spec_decode's model).
+        """
+        if not self.batch_decode:
+            return [[i] for i in range(len(scheduled))]
+        ones = [i for i, s in enumerate(scheduled) if s.num_new_tokens - s.num_spec_tokens == 1]
+        groups = [ones] if ones else []
+        chunks = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens - s.num_spec_tokens > 1),
+                        key=lambda i: -scheduled[i].num_new_tokens)
+        group, real = [], 0
+        for i in chunks:  # longest first, so a group's first row sets its padded length
+            n = scheduled[i].num_new_tokens
+            if group and (len(group) + 1) * scheduled[group[0]].num_new_tokens > 1.25 * (real + n):
+                groups.append(group)
+                group, real = [], 0
+            group.append(i)
+            real += n
+        if group:
+            groups.append(group)
+        return groups
+
+    def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
+        """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
+
+        A forward holding drafted tokens is verified as a whole (spec_decode.verify_rows):
+        each of its sampling rows gets a list, the accepted drafts then the target's token.
+        """
+        pending: list[tuple[list[int], mx.array]] = []  # (row indices, sampled ids)
+        verified: list[tuple[int, mx.array]] = []  # (row index, [num_accepted, tokens...])
+        for group in self._groups(scheduled):
+            rows = [scheduled[i] for i in group]
+            if any(r.num_spec_tokens for r in rows):
+                from macinfer.spec.decoder import verify_rows
+
+                verified += verify_rows(group, rows, self._forward(rows, all_logits=True))
+                mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
+                continue
+            logits = self._forward(rows)  # (B, V)
+            greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
+            if greedy:
+                picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]
+                pending.append(([group[j] for j in greedy], mx.argmax(picked, axis=-1)))
+            for j, r in enumerate(rows):
+                if r.samples and not r.seq.sampler.params.greedy:
+                    pending.append(([group[j]], r.seq.sampler(logits[j: j + 1])))
+            # NOTE: evaluate each forward (pools included: a mid-prefill chunk samples
+            # nothing, yet its K/V writes must happen) before building the next. The
+            # pools are updated in place only while no other array shares their
+            # buffer; a later forward chained onto this one's lazy pool views would
+            # copy every pool instead (measured: seconds per step on a 256 MB pool).
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden())
+        out: list[int | None] = [None] * len(scheduled)
+        for idx, ids in pending:
+            for i, t in zip(idx, ids.tolist()):
+                out[i] = t
+        for i, v in verified:
+            row = v.tolist()
+            out[i] = row[1: 2 + row[0]]
+        return out
+
+
+class _PickRows(nn.Module):
+    """The model's final norm, applied to one position per row: (B, L, D) -> (B, 1, D)."""
+
+    def __init__(self, norm: nn.Module, last: list[int], L: int):
+        super().__init__()
+        self.norm, self.last, self.L = norm, last, L
+
+    def __call__(self, h):
+        if h.ndim != 3 or h.shape[1] != self.L:
+            return self.norm(h)  # not the shape we expect: leave it alone
+        if all(n == self.L - 1 for n in self.last):
+            return self.norm(h[:, -1:])
+        return self.norm(h[mx.arange(h.shape[0]), mx.array(self.last)][:, None])
+
+
+def _last_rows_only(model: nn.Module, inputs: mx.array, caches: list, last: list[int]) -> mx.array:
+    """The forward's logits at each row's position last[b] only, if the model allows: (B, 1, V).
+
+    A prefill chunk needs the logits of one position per row, but mlx-lm models project
+    every position through the LM head (on SmolLM2, 49152 x 576: ~20% of a prefill's
+    FLOPs). The final norm and the head are per position, so picking the rows before the
+    norm changes nothing else. Models without `model.norm` run whole: (B, L, V).
+    """
+    body = getattr(model, "model", None)
+    norm = getattr(body, "norm", None)
+    if not isinstance(norm, nn.Module):
+        return model(inputs, cache=caches)
+    body.norm = _PickRows(norm, last, inputs.shape[1])
+    try:
+        return model(inputs, cache=caches)
+    finally:
+        body.norm = norm
+

@@ -1,0 +1,194 @@
+"""Token-level scheduler: which sequences compute how many tokens this step.
+
+vLLM v1's scheme, without phases: every sequence has `num_computed_tokens`
+catching up with `num_tokens`, and each step hands out at most
+`max_num_batched_tokens` tokens of work (the token budget):
+
+  1. Running sequences first, decodes (1 token left) before prefill chunks, so a
+     long prompt never stalls the streams already producing tokens. A chunk gets
+     whatever budget is left.
+  2. If a running sequence needs a block and none is free, the newest running
+     sequence is preempted (its blocks freed, recomputed later) until it fits.
+  3. Then waiting sequences, first come first served, while blocks and budget
+     allow (and only if nothing was preempted this step: no point admitting new
+     work while evicting old). An admitted sequence starts from its longest
+     cached prefix (prefix caching: num_computed_tokens jumps over the hits).
+
+A sequence whose KV could not fit even in an empty pool finishes with
+"length" instead of cycling through preemption forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from macinfer.engine.block_pool import BlockPool
+from macinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling limits.
+
+    Args:
+        max_num_seqs: sequences running at once (rows of a decode batch).
+        max_num_batched_tokens: tokens computed per step (decodes + prefill chunks).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self):
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be an integer >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    num_spec_tokens: int = 0  # of num_new_tokens, drafted tokens to verify (macinfer.spec.decoder)
+
+    @property
+    def samples(self) -> bool:
+        """After this step the whole sequence is computed, so it yields a token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # out of KV capacity
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler over a BlockPool."""
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
+        self.config = config
+        self.block_pool = block_pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # NOTE: admission order; running[-1] is the newest.
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _never_fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        pool = self.block_pool
+        return pool.num_blocks_for(seq.num_computed_tokens + num_new_tokens) > pool.num_usable_blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_pool.free(seq)
+        seq.reset_for_recompute()
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        pool = self.block_pool
+
+        # 1. Running: decodes, then prefill chunks; preempt the newest on block shortage.
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + chunks:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._never_fits(seq, n):
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                out.finished.append(seq)
+                continue
+            # Drafts ride along with a decode if budget and blocks allow; they never preempt anyone.
+            num_spec = min(len(seq.spec_token_ids), budget - n) if n == seq.num_uncomputed_tokens else 0
+            if num_spec and not pool.allocate_slots(seq, n + num_spec):
+                num_spec = 0
+            while not pool.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                # A victim may already have been scheduled this step (decodes go first).
+                for i, s in enumerate(out.scheduled):
+                    if s.seq is victim:
+                        budget += s.num_new_tokens
+                        del out.scheduled[i]
+                        break
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                del seq.spec_token_ids[num_spec:]
+                out.scheduled.append(ScheduledSequence(seq, n + num_spec, num_spec))
+                budget -= n + num_spec
+
+        # 2. Waiting, FCFS: stop at the first that does not fit (no overtaking).
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._never_fits(seq, seq.num_uncomputed_tokens):
+                self.waiting.popleft()
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                out.finished.append(seq)
+                continue
+            # Prefix cache: start from the longest cached prefix ([] and 0 when off).
+            cached, num_cached = pool.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_cached, budget)
+            if not pool.allocate_slots(seq, n, cached):
+                break
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.metrics.cached_tokens = num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return out
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran: its tokens' K/V are now in the cache.
+
+        NOTE: drafted tokens are not counted: their K/V is in the cache too, but only
+        those the target accepted become tokens (SpecDecoder.update_from_output counts
+        them once the engine has appended them; the rejected ones are overwritten).
+        """
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
+            self.block_pool.cache_full_blocks(s.seq)  # full, computed blocks become reusable
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End seq (stop, length or abort) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_pool.free(seq)
+        seq.status = status
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                return seq
+        return None

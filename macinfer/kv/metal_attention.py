@@ -1,0 +1,473 @@
+"""Fused paged decode attention as a Metal kernel, its executable reference, and run-time selection.
+
+The reference path (`macinfer.kv.paged_attention`) gathers each sequence's slots into
+a contiguous K/V buffer and calls MLX's fused SDPA: at long contexts that copy
+costs an extra read and write of the KV cache per step. The kernel here reads
+K/V straight from the block pool instead and keeps an online softmax, so there
+is no gathered copy and no n x n score matrix.
+
+Algorithm (one query row = one (sequence b, query head h, query token qi); on
+Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32, ...):
+
+    query qi of a row with context length C sits at position p = C - q_len + qi
+    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window).
+
+    block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim,
+    NS = num_blocks * BS slots; pools are head-major, see macinfer.kv.paged_attention):
+
+      logical position pos = j * BS + t          block_tables[b] = [ 7, 2, 9, 0, 0 ]
+                                                                     |  |  |  padding (null
+      seq b:  | 0 .. BS-1 | BS .. 2BS-1 | 2BS .. C-1 |               |  |  |  block 0): never
+                 j = 0        j = 1         j = 2                    |  |  |  read, j <= p // BS
+                   |            |             |                      v  v  v
+                   +-------> phys = block_tables[b, j] ----->  block 7, 2, 9 = slots
+                                                                   [7BS, 8BS), [2BS, 3BS), [9BS, 10BS)
+      slot = phys * BS + t
+      K of (pos, kv head kvh, dim d) = k_pool[kvh, slot, d]
+                                     = k_pool_flat[(kvh * NS + phys * BS + t) * D + d]
+
+    so a block of one head is BS * D contiguous values: the kernel streams it.
+      kvh = h // (n_heads // n_kv_heads)            (grouped-query attention)
+
+    partitioning: the blocks j_lo = lo // BS .. j_hi = p // BS are dealt round-robin
+    to NSG partitions (one Metal simdgroup each):
+
+      j:      j_lo  j_lo+1  ...  j_lo+NSG-1  j_lo+NSG  j_lo+NSG+1 ...
+      part:    0      1     ...    NSG-1        0          1     ...
+
+    each partition keeps an online softmax (m, l, acc) updated once per block:
+
+      s      = scale * K_blk @ q            (masked slots: -1e30, skipped below)
+      m_new  = max(m, max(s))
+      corr   = exp(m - m_new)
+      l      = l * corr + sum(exp(s - m_new))
+      acc    = acc * corr + exp(s - m_new) @ V_blk
+      m      = m_new
+
+    and the NSG partials are merged at the end:
+
+      M = max_g m_g;   w_g = exp(m_g - M);   out = sum_g w_g acc_g / sum_g w_g l_g
+
+`paged_attention_online` runs that algorithm in NumPy, loop for loop, so it is
+tested on machines without Metal; `METAL_SOURCE` is its transliteration (the
+[1]..[6] step tags match). Only Metal can compile and run the kernel for real, so
+`select_attention` self-checks it against the reference path before use. (The
+tests also compile the source MLX generates from it as C++ against a shim of the
+Metal built-ins and run it in a small SIMT emulator: a check of the source's
+logic, not of the Metal compiler or the GPU.)
+
+NOTE: masked slots use a finite sentinel (-1e30), not -inf, so the kernel is
+correct under Metal's fast-math mode too; and masked slots never touch V, so
+stale values (even NaN) in unused pool slots cannot leak into the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.errors import MacinferError
+
+MODES = ("reference", "metal", "auto")
+SIMD_WIDTH = 32  # threads per simdgroup on every Apple GPU
+MASKED = -1.0e30  # score of a slot a query must not see
+SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # self-check order: tightest first
+# Self-check tolerance (atol = rtol) per dtype. Index bugs are dtype-independent,
+# so the tight float32 cases catch them; half types only need to round the same.
+TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
+
+# Signature shared by the reference path and the kernel path:
+# fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None)
+AttentionFn = Callable[..., mx.array]
+
+
+class MetalAttentionWarning(RuntimeWarning):
+    """The Metal kernel failed to compile or disagreed with the reference; the reference is used."""
+
+
+def default_simdgroups(head_dim: int) -> int:
+    """Partitions (simdgroups) per query row: 32 (a 1024-thread threadgroup) while
+    the merge buffer NSG * head_dim floats stays within 16 KB of threadgroup memory."""
+    return max(1, min(32, 4096 // head_dim))
+
+
+def _np32(x) -> np.ndarray:
+    if isinstance(x, mx.array):
+        x = x.astype(mx.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def _table_array(block_tables) -> mx.array:
+    """Block tables as int32 (B, max_blocks), padding lists with the null block 0."""
+    if isinstance(block_tables, mx.array):
+        return block_tables.astype(mx.int32)
+    width = max(len(t) for t in block_tables)
+    return mx.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=mx.int32)
+
+
+def paged_attention_online(
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
+    window: int | None = None, n_partitions: int | None = None,
+) -> mx.array:
+    """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
+
+    Args:
+        queries: (B, n_heads, q_len, head_dim), the last q_len positions of each row.
+        k_pool, v_pool: (n_kv_heads, num_blocks * block_size, head_dim), head-major slots.
+        block_tables: int32 (B, max_blocks_per_seq) padded with 0, or lists of block ids.
+        context_lens: (B,) tokens in each row's cache, the q_len new ones included.
+        block_size: slots per block.
+        scale: softmax scale.
+        window: sliding window (a query at p sees keys > p - window), or None.
+        n_partitions: simdgroups per row; default `default_simdgroups(head_dim)`,
+            what the kernel launches with.
+
+    Returns:
+        (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
+    """
+    q = _np32(queries)
+    kp, vp = _np32(k_pool), _np32(v_pool)
+    tables = np.asarray(_table_array(block_tables))
+    lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
+    B, H, QL, D = q.shape
+    KVH, BS = kp.shape[0], block_size
+    NSG = n_partitions or default_simdgroups(D)
+    W = window or 0
+    f32 = np.float32
+    out = np.empty_like(q)
+    for b in range(B):  # grid z: one sequence
+        for h in range(H):  # grid y = h * q_len + qi: one query row per threadgroup
+            kvh = h // (H // KVH)  # [1] GQA: the KV head this query head reads
+            for qi in range(QL):
+                p = lens[b] - QL + qi  # [1] absolute position of this query
+                lo = max(0, p - W + 1) if W > 0 else 0
+                j_lo, j_hi = lo // BS, p // BS
+                qv = q[b, h, qi]  # (D,)  [2] the query, in float32
+                ms = np.full(NSG, MASKED, f32)
+                ls = np.zeros(NSG, f32)
+                accs = np.zeros((NSG, D), f32)
+                for g in range(NSG):  # one simdgroup each
+                    m, l, acc = f32(MASKED), f32(0), np.zeros(D, f32)
+                    for j in range(j_lo + g, j_hi + 1, NSG):  # [3] round-robin blocks
+                        phys = tables[b, j]  # [3] logical block j -> physical block
+                        pos = j * BS + np.arange(BS)
+                        valid = (pos >= lo) & (pos <= p)
+                        s = np.full(BS, MASKED, f32)  # (BS,)  [4] scores of this block
+                        slots = phys * BS + np.arange(BS)  # [3] this block's slots
+                        s[valid] = (kp[kvh, slots[valid]] @ qv) * f32(scale)
+                        m_new = max(m, s.max())  # [5] online softmax, once per block
+                        corr = np.exp(m - m_new)
+                        pt = np.exp(s[valid] - m_new)  # masked slots never touch V
+                        l = l * corr + pt.sum()
+                        acc = acc * corr + pt @ vp[kvh, slots[valid]]
+                        m = m_new
+                    ms[g], ls[g], accs[g] = m, l, acc
+                M = ms.max()  # [6] merge the partitions
+                w = np.exp(ms - M)
+                out[b, h, qi] = (accs * w[:, None]).sum(0) / (ls * w).sum()
+    dtype = queries.dtype if isinstance(queries, mx.array) else mx.float32
+    return mx.array(out).astype(dtype)
+
+
+# The kernel body; MLX writes the signature from the names below. Template
+# parameters: T (dtype), D (head_dim), BS (block_size), NSG (simdgroups per row).
+# Launch: grid (32 * NSG, n_heads * q_len, B), threadgroup (32 * NSG, 1, 1).
+METAL_SOURCE = """
+    threadgroup float tg_m[NSG];                // [6] per-partition m, l, acc for the merge
+    threadgroup float tg_l[NSG];
+    threadgroup float tg_acc[NSG * D];
+    constexpr int EPL = (D + 31) / 32;          // dims per lane: lane owns d = i * 32 + lane
+    const int H = queries_shape[1];
+    const int QL = queries_shape[2];
+    const int KVH = k_pool_shape[0];
+    const int64_t NS = k_pool_shape[1];             // slots per head: num_blocks * BS
+    const int MAXB = block_tables_shape[1];
+    const int W = window[0];
+    const float sc = scale[0];
+    const uint lane = thread_index_in_simdgroup;
+    const uint sg = simdgroup_index_in_threadgroup;   // ref: partition g
+    const int b = threadgroup_position_in_grid.z;     // ref: for b
+    const int row = threadgroup_position_in_grid.y;   // ref: for h, for qi
+    const int h = row / QL;
+    const int qi = row % QL;
+
+    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo, j_lo, j_hi
+    const int kvh = h / (H / KVH);
+    const int p = context_lens[b] - QL + qi;
+    const int lo = W > 0 ? metal::max(0, p - W + 1) : 0;
+    const int j_lo = lo / BS;
+    const int j_hi = p / BS;
+
+    // [2] ref: qv = q[b, h, qi] in float32, spread over the lanes
+    const int64_t q_off = ((int64_t)(b * H + h) * QL + qi) * D;
+    float qv[EPL];
+    float acc[EPL];
+    for (int i = 0; i < EPL; ++i) {
+        const int d = i * 32 + lane;
+        qv[i] = d < D ? static_cast<float>(queries[q_off + d]) : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -1.0e30f;                               // ref: m, l = MASKED, 0
+    float l = 0.0f;
+
+    // [3] ref: for j in range(j_lo + g, j_hi + 1, NSG): phys = tables[b, j]
+    const int64_t tok_stride = D;                     // pool[kvh, slot + 1] - pool[kvh, slot]
+    for (int j = j_lo + (int)sg; j <= j_hi; j += NSG) {
+        const int64_t phys = block_tables[b * MAXB + j];
+        const int64_t blk = (kvh * NS + phys * BS) * D;   // k_pool[kvh, phys * BS, 0]
+
+        // [4] ref: s[valid] = (kp[phys, valid, kvh] @ qv) * scale; others MASKED
+        float s[BS];
+        float m_blk = -1.0e30f;
+        for (int t = 0; t < BS; ++t) {
+            const int pos = j * BS + t;
+            s[t] = -1.0e30f;
+            if (pos >= lo && pos <= p) {              // uniform across the simdgroup
+                const int64_t kt = blk + t * tok_stride;  // k_pool[kvh, phys * BS + t, 0]
+                float part = 0.0f;
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    if (d < D) {
+                        part += qv[i] * static_cast<float>(k_pool[kt + d]);
+                    }
+                }
+                s[t] = simd_sum(part) * sc;
+            }
+            m_blk = metal::max(m_blk, s[t]);
+        }
+
+        // [5] ref: m_new, corr, l, acc updated once per block; masked slots skip V
+        const float m_new = metal::max(m, m_blk);
+        const float corr = metal::exp(m - m_new);
+        l *= corr;
+        for (int i = 0; i < EPL; ++i) {
+            acc[i] *= corr;
+        }
+        for (int t = 0; t < BS; ++t) {
+            const int pos = j * BS + t;
+            if (pos >= lo && pos <= p) {
+                const float pt = metal::exp(s[t] - m_new);
+                const int64_t vt = blk + t * tok_stride;  // v_pool[kvh, phys * BS + t, 0]
+                l += pt;
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    if (d < D) {
+                        acc[i] += pt * static_cast<float>(v_pool[vt + d]);
+                    }
+                }
+            }
+        }
+        m = m_new;
+    }
+
+    // [6] ref: merge partitions: M = max m_g, w_g = exp(m_g - M), out = sum w acc / sum w l
+    if (lane == 0) {
+        tg_m[sg] = m;
+        tg_l[sg] = l;
+    }
+    for (int i = 0; i < EPL; ++i) {
+        const int d = i * 32 + lane;
+        if (d < D) {
+            tg_acc[sg * D + d] = acc[i];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float M = -1.0e30f;
+    for (int g = 0; g < NSG; ++g) {
+        M = metal::max(M, tg_m[g]);
+    }
+    float L = 0.0f;
+    for (int g = 0; g < NSG; ++g) {
+        L += tg_l[g] * metal::exp(tg_m[g] - M);
+    }
+    for (int d = thread_position_in_threadgroup.x; d < D; d += NSG * 32) {
+        float o = 0.0f;
+        for (int g = 0; g < NSG; ++g) {
+            o += tg_acc[g * D + d] * metal::exp(tg_m[g] - M);
+        }
+        out[q_off + d] = static_cast<T>(o / L);
+    }
+"""
+
+INPUT_NAMES = ("queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "window")
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel():
+    """The kernel object (building works without Metal; calling it needs Metal)."""
+    return mx.fast.metal_kernel(
+        name="macinfer_paged_attention",
+        input_names=list(INPUT_NAMES),
+        output_names=["out"],
+        source=METAL_SOURCE,
+    )
+
+
+def kernel_launch(
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
+    window: int | None = None, n_simdgroups: int | None = None,
+) -> dict:
+    """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs."""
+    B, H, QL, D = queries.shape
+    BS = block_size
+    NSG = n_simdgroups or default_simdgroups(D)
+    lens = context_lens if isinstance(context_lens, mx.array) else mx.array([int(c) for c in context_lens])
+    return dict(
+        inputs=[
+            queries, k_pool, v_pool, _table_array(block_tables), lens.astype(mx.int32),
+            mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
+        ],
+        template=[("T", queries.dtype), ("D", D), ("BS", BS), ("NSG", NSG)],
+        grid=(SIMD_WIDTH * NSG, H * QL, B),
+        threadgroup=(SIMD_WIDTH * NSG, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+
+
+def paged_attention_metal(
+    queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
+    window: int | None = None,
+) -> mx.array:
+    """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
+    return build_kernel()(**kernel_launch(
+        queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window))[0]
+
+
+def random_problem(
+    seed: int, *, context_lens: list[int], q_len: int = 1, n_heads: int = 4, n_kv_heads: int = 2,
+    head_dim: int = 64, block_size: int = 16, dtype=mx.float32, window: int | None = None,
+) -> dict:
+    """Random paged-attention arguments with shuffled physical blocks.
+
+    Block 0 is the null block (padding); blocks are handed out in a random order so
+    that only a correct walk of the block table finds each token; the pool holds
+    two spare blocks no table points to.
+    """
+    rng = np.random.default_rng(seed)
+    BS = block_size
+    need = [-(-c // BS) for c in context_lens]
+    num_blocks = 1 + sum(need) + 2
+    ids = iter(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(context_lens), max(need)), np.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = [next(ids) for _ in range(n)]
+    pool_shape = (n_kv_heads, num_blocks * BS, head_dim)  # head-major slots
+    return dict(
+        queries=mx.array(rng.standard_normal((len(context_lens), n_heads, q_len, head_dim), np.float32)).astype(dtype),
+        k_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
+        v_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
+        block_tables=mx.array(tables),
+        context_lens=list(context_lens),
+        block_size=BS,
+        scale=head_dim**-0.5,
+        window=window,
+    )
+
+
+def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
+    """Problems the kernel must pass: lengths ending inside and on block boundaries,
+    GQA ratios 1/3/4, q_len 1-3, a window, and more blocks than simdgroups."""
+    BS = block_size
+    many = (default_simdgroups(head_dim) + 8) * BS + 7  # some simdgroups walk 2 blocks
+    return [
+        dict(context_lens=[1, BS, 3 * BS + 5], q_len=1, n_heads=4, n_kv_heads=4),
+        dict(context_lens=[2 * BS, 5 * BS - 1], q_len=3, n_heads=6, n_kv_heads=2),
+        dict(context_lens=[4 * BS + 1, many], q_len=2, n_heads=8, n_kv_heads=2, window=2 * BS + 3),
+        dict(context_lens=[many], q_len=1, n_heads=3, n_kv_heads=1),
+    ]
+
+
+def self_check(
+    kernel_fn: AttentionFn, reference_fn: AttentionFn, *, head_dim: int = 64, block_size: int = 16,
+    dtypes=SUPPORTED_DTYPES,
+) -> str | None:
+    """Compare kernel_fn with reference_fn on `self_check_cases`.
+
+    Returns:
+        None if every case matches within `TOLERANCE`, else a one-line description
+        of the first mismatch. Exceptions from kernel_fn (compile errors) propagate.
+    """
+    for dtype in dtypes:
+        for i, case in enumerate(self_check_cases(block_size, head_dim)):
+            args = random_problem(i, head_dim=head_dim, block_size=block_size, dtype=dtype, **case)
+            got = kernel_fn(**args).astype(mx.float32)
+            want = reference_fn(**args).astype(mx.float32)
+            mx.eval(got, want)
+            tol = TOLERANCE[dtype]
+            if got.shape != want.shape or not mx.allclose(got, want, rtol=tol, atol=tol).item():
+                err = mx.abs(got - want).max().item() if got.shape == want.shape else f"shape {got.shape}"
+                return (f"the Metal paged-attention kernel disagrees with the reference "
+                        f"({dtype}, case {i} {case}: max |diff| {err} > {tol})")
+    return None
+
+
+def metal_available() -> bool:
+    return mx.metal.is_available()
+
+
+def _kernel_or_reference(kernel_fn: AttentionFn, reference_fn: AttentionFn) -> AttentionFn:
+    """The kernel, with the reference for what it does not cover (sinks, head_dim_v != head_dim)."""
+
+    def attention(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
+                  sinks=None):
+        if sinks is not None or v_pool.shape[-1] != queries.shape[-1] or queries.dtype not in SUPPORTED_DTYPES:
+            return reference_fn(queries, k_pool, v_pool, block_tables, context_lens,
+                                block_size=block_size, scale=scale, window=window, sinks=sinks)
+        return kernel_fn(queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size,
+                         scale=scale, window=window)
+
+    return attention
+
+
+def select_attention(
+    mode: str, reference_fn: AttentionFn, *, head_dim: int = 64, block_size: int = 16,
+) -> tuple[AttentionFn, str]:
+    """Pick the attention implementation for `--attention reference|metal|auto`.
+
+    "reference" returns reference_fn. Otherwise, on a host with Metal, the kernel is
+    compiled and checked against reference_fn on `self_check_cases` (all three
+    dtypes); it is used only if it matches. Without Metal the kernel is never called.
+    Call it once per engine: each call repeats the check (and its warning).
+
+    Args:
+        mode: "reference", "metal" (the kernel or an error) or "auto" (the kernel if
+            it passes, else the reference with one `MetalAttentionWarning`).
+        reference_fn: the gather + SDPA path, with the signature
+            fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
+            sinks=None), pools head-major (macinfer.kv.paged_attention).
+        head_dim, block_size: the engine's, so the self-check runs the kernel
+            instantiation the engine will use.
+
+    Returns:
+        (fn, backend_name): fn has reference_fn's signature; backend_name is
+        "metal" or "reference".
+
+    Example:
+        >>> fn, backend = select_attention("auto", paged_attention)  # on Linux:
+        >>> backend
+        'reference'
+    """
+    if mode not in MODES:
+        raise ValueError(f"attention mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "reference":
+        return reference_fn, "reference"
+    if not metal_available():
+        if mode == "metal":
+            raise MacinferError("--attention metal needs Metal (Apple silicon); use auto or reference here")
+        return reference_fn, "reference"
+    try:
+        build_kernel()
+        failure = self_check(paged_attention_metal, reference_fn, head_dim=head_dim, block_size=block_size)
+    except Exception as e:  # a compile error surfaces at the first evaluation
+        failure = f"the Metal paged-attention kernel failed to compile or run ({type(e).__name__}: {e})"
+    if failure is None:
+        return _kernel_or_reference(paged_attention_metal, reference_fn), "metal"
+    if mode == "metal":
+        raise MacinferError(failure)
+    warnings.warn(f"{failure}; using the reference attention (gather + SDPA)", MetalAttentionWarning, stacklevel=2)
+    return reference_fn, "reference"

@@ -1,0 +1,290 @@
+"""The adapter that lets mlx-lm's model classes run on the paged KV cache.
+
+mlx-lm attention does, per layer (PLATFORM.md):
+
+    q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out  = scaled_dot_product_attention(q, k, v, cache=cache, scale=..., mask=mask)
+
+with `mask = create_attention_mask(h, cache[i], window_size=...)`, which asks the
+cache's `make_mask`. So one `PagedKVCache` per layer is enough:
+
+- `offset` is the position of each row's first new token: an int for one row,
+  an int32 (B,) array for a decode batch (mx.fast.rope takes per-row offsets).
+- `update_and_fetch` writes the new K/V into the layer's pools at this step's
+  slots (one slice update for a single row, else a scatter) and returns them
+  unchanged (nothing downstream reads them but us).
+- `make_mask` returns a `PagedMask` marker: the real mask depends on the block
+  tables and is built inside `paged_attention`.
+- `scaled_dot_product_attention` is replaced *in the model's own module* by a
+  dispatcher that sends paged caches to `paged_attention` and everything else
+  to mlx-lm's original (so mlx-lm keeps working in the same process).
+
+What cannot be paged is refused up front (`inspect_model`), never run wrong:
+layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (state-space
+layers, chunked attention, KV sharing), and models that compute attention without
+going through `scaled_dot_product_attention` (e.g. logit soft-capping). Sliding
+window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
+and masked in attention; their pools hold every token (simple, correct; freeing
+blocks that slid out of the window is future work).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.errors import MacinferError
+from macinfer.kv.paged_attention import paged_attention
+
+
+@dataclass
+class PagedMask:
+    """What make_mask hands the model: which window the model asked for."""
+
+    window: int | None = None
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward metadata shared by every layer's cache (set by the model runner).
+
+    For a forward over B rows of q_len new tokens each (T = B * q_len):
+        offsets        int, or int32 (B,): position of each row's first new token
+        block_tables   B lists of block ids
+        context_lens   B ints: tokens in context after this step
+        slot_blocks    int32 (T,): block id of each new token, row-major
+        slot_offsets   int32 (T,): slot inside that block
+    """
+
+    offsets: int | mx.array = 0
+    block_tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    slot_blocks: mx.array | None = None
+    slot_offsets: mx.array | None = None
+    memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
+    # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
+    attention_fn: object = None
+
+    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo) -> mx.array:
+        """Attention over pages with the selected backend (one place for every cache type)."""
+        if self.attention_fn is not None:
+            return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
+                                     block_size=block_size, scale=scale, window=window, sinks=sinks)
+        return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
+                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo)
+
+    def write_slots(self, block_size: int) -> int | mx.array:
+        """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
+
+        A single row whose new tokens fall in a contiguous run of blocks (every decode
+        step but one in block_size, and most prefills) gets its first slot: the write is
+        then one slice update. Otherwise the slot ids, slot = block * block_size + offset.
+        Worked out once per forward (memo) and shared by every layer.
+        """
+        key = ("write_slots", block_size)
+        if key not in self.memo:
+            self.memo[key] = self._write_slots(block_size)
+        return self.memo[key]
+
+    def _write_slots(self, bs: int) -> int | mx.array:
+        if isinstance(self.offsets, int) and len(self.block_tables) == 1:
+            start, table = self.offsets, self.block_tables[0]
+            end = self.context_lens[0]  # one past the last new token
+            blocks = table[start // bs: -(-end // bs)]
+            if _contiguous_run(blocks):
+                return blocks[0] * bs + start % bs
+        return self.slot_blocks * bs + self.slot_offsets
+
+
+def _contiguous_run(blocks) -> bool:
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))
+
+
+def head_major(x: mx.array) -> mx.array:
+    """(B, H, L, D) K or V -> (H, B * L, D): each head's new tokens in row order, as a pool's slots hold them.
+
+    One row (B = 1) needs no copy at all; a decode batch (L = 1) only swaps two axes.
+    """
+    B, H, L, D = x.shape
+    if B == 1:
+        return x[0]
+    return x.reshape(B, H, D).transpose(1, 0, 2) if L == 1 else x.transpose(1, 0, 2, 3).reshape(H, B * L, D)
+
+
+def write_pool(pool: mx.array, slots: int | mx.array, x: mx.array) -> None:
+    """Write x (H, T, ...) into pool (H, num_slots, ...) at `slots` (ForwardContext.write_slots).
+
+    NOTE: item assignment is an in-place slice update / scatter as long as nothing
+    else holds the previous pool array, so a step writes T slots, not the whole pool.
+    """
+    if isinstance(slots, int):
+        pool[:, slots: slots + x.shape[1]] = x
+    else:
+        pool[:, slots] = x
+
+
+@dataclass
+class LayerSpec:
+    """What the probe learnt about one attention layer."""
+
+    n_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: int | None
+    dtype: mx.Dtype
+
+    def bytes_per_token(self) -> int:
+        return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
+
+
+_current_ctx: ForwardContext | None = None
+
+
+def current_forward() -> ForwardContext | None:
+    """The ForwardContext of the paged cache whose offset was read last (macinfer.kv.rope)."""
+    return _current_ctx
+
+
+class PagedKVCache:
+    """One layer's view of the paged KV cache, speaking mlx-lm's cache protocol."""
+
+    def __init__(self, ctx: ForwardContext, spec: LayerSpec, num_blocks: int, block_size: int):
+        self.ctx = ctx
+        self.window = spec.window
+        self.block_size = block_size
+        # (n_kv_heads, num_blocks * block_size, head_dim), head-major slots: see paged_attention for why.
+        self.k_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.k_head_dim), dtype=spec.dtype)
+        self.v_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.v_head_dim), dtype=spec.dtype)
+
+    @property
+    def offset(self):
+        # mlx-lm reads this right before each rope call: tell SharedRoPE whose forward it is.
+        global _current_ctx
+        _current_ctx = self.ctx
+        return self.ctx.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        slots = self.ctx.write_slots(self.block_size)
+        write_pool(self.k_pool, slots, head_major(keys))
+        write_pool(self.v_pool, slots, head_major(values))
+        return keys, values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if return_array:
+            raise MacinferError("this model needs an explicit attention mask array, which paged attention cannot provide")
+        if window_size is not None and window_size != self.window:
+            raise MacinferError(
+                f"the model asks for a {window_size}-token attention window where its cache says "
+                f"{self.window}: cannot page it safely"
+            )
+        return PagedMask(window_size)
+
+    def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
+        if not (mask is None or isinstance(mask, (PagedMask, str))):
+            raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
+        return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
+                               block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
+                               memo=self.ctx.memo)
+
+    # -- the rest of mlx-lm's protocol --------------------------------------------------
+    @property
+    def state(self):
+        return [self.k_pool, self.v_pool]
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_pool.nbytes + self.v_pool.nbytes
+
+
+# -- patching the model's attention function ---------------------------------------------
+_probe_calls: list | None = None
+
+
+def _patched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, PagedKVCache):
+        return cache.attention(queries, mask, scale, sinks)
+    if _probe_calls is not None:
+        _probe_calls.append((cache, keys.shape, values.shape, keys.dtype))
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_attention_patch(model: nn.Module) -> int:
+    """Route `scaled_dot_product_attention` in every module the model's classes live in.
+
+    Returns:
+        How many modules were patched (0: the model does not use mlx-lm's sdpa).
+    """
+    from mlx_lm.models import base
+
+    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    patched = 0
+    for name in names:
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if fn is base.scaled_dot_product_attention:
+            mod.scaled_dot_product_attention = _patched_sdpa
+            patched += 1
+        elif fn is _patched_sdpa:
+            patched += 1
+    return patched
+
+
+def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
+    """Probe the model once (lazily: nothing is computed) and describe its layers.
+
+    Raises:
+        MacinferError: naming the architecture, if any layer cannot be paged.
+    """
+    global _probe_calls
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    for c in caches:
+        if type(c) not in (KVCache, RotatingKVCache):
+            raise MacinferError(
+                f"{model_type}: layers with a {type(c).__name__} (not plain attention) cannot use the "
+                "paged KV cache yet; this architecture is not supported by the engine"
+            )
+        if isinstance(c, RotatingKVCache) and c.keep:
+            raise MacinferError(f"{model_type}: attention-sink caches (keep={c.keep}) are not supported")
+    install_attention_patch(model)
+    _probe_calls = []
+    try:
+        model(mx.array([[0, 0]]), cache=caches)  # lazy: only shapes are computed
+        calls = _probe_calls
+    except Exception as e:  # noqa: BLE001 - any failure here means we cannot page it
+        raise MacinferError(f"{model_type}: probing the model's attention failed ({type(e).__name__}: {e})") from None
+    finally:
+        _probe_calls = None
+    by_cache = {id(c): (kshape, vshape, dtype) for c, kshape, vshape, dtype in calls}
+    if len(calls) != len(caches) or any(id(c) not in by_cache for c in caches):
+        raise MacinferError(
+            f"{model_type}: its attention does not go through mlx-lm's scaled_dot_product_attention once "
+            f"per layer ({len(calls)} calls for {len(caches)} layers), so it cannot be paged safely"
+        )
+    specs = []
+    for c in caches:
+        kshape, vshape, dtype = by_cache[id(c)]
+        window = c.max_size if isinstance(c, RotatingKVCache) else None
+        specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window, dtype=dtype))
+    return specs
+
+
+def supports_batched_offsets(model: nn.Module) -> bool:
+    """Whether every RoPE in the model accepts a per-row (B,) offset array."""
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    # Dynamic NTK scaling computes its base from a Python max over the offset.
+    return not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())

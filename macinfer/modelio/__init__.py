@@ -1,0 +1,1 @@
+"""Models in and out: loading, the embedded default, GGUF import, quantisation and evaluation."""

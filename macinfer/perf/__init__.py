@@ -1,0 +1,1 @@
+"""Performance figures: memory bandwidth, the benchmark harness, the KV-cache calculator."""

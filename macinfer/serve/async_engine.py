@@ -1,0 +1,226 @@
+"""The engine loop: one background thread steps the engine; asyncio callers stream from it.
+
+    HTTP handler (event loop)              engine thread
+    ───────────────────────────            ───────────────────────────────────────
+    generate(ids, params) ──inbox──────▶   add_request / abort_request (drained
+       ▲                                   before every step)
+       │ asyncio.Queue per request  ◀───   step() -> deltas, each handed to its
+       │ (call_soon_threadsafe)            request's queue on the caller's loop
+    client disconnects ──abort─inbox──▶    abort_request: its blocks are freed
+
+Design choices:
+- NOTE: only the engine thread touches the engine (MLX state, block pool, scheduler).
+  Other threads talk to it through a thread-safe inbox, so the engine needs no locks.
+- Every request of every client goes through the same `step()`, so concurrent
+  clients are batched by the engine's scheduler (continuous batching).
+- A caller that stops iterating (client disconnect, cancellation) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from macinfer.engine.outputs import StreamDelta
+from macinfer.engine.sampling import SamplingParams
+
+log = logging.getLogger("macinfer.serve.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shutdown or a crash) and takes no requests."""
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread and streams each request's deltas to asyncio.
+
+    Args:
+        engine: anything with `add_request(prompt_token_ids, params, request_id=None)`,
+            `abort_request(request_id)`, `step() -> list[StreamDelta]` and `has_unfinished()`
+            (macinfer.engine.LLMEngine, or SerialEngine below).
+        on_step: called on the engine thread after each step with (seconds, deltas).
+
+    Example:
+        >>> aengine = AsyncEngine(LLMEngine(...)); aengine.start()
+        >>> async for delta in aengine.generate(ids, SamplingParams(max_tokens=8)):
+        ...     print(delta.text, end="")
+    """
+
+    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.num_steps = 0
+        self.peak_batch = 0  # most requests that moved in one step: > 1 means batching happened
+        self.num_aborted = 0  # requests the engine confirmed aborted (client gone)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # -- the asyncio side ------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield the request's deltas; the last has `finish_reason` and `output` set.
+
+        Closing the iterator early (or cancelling the task) aborts the request.
+
+        Raises:
+            EngineDeadError: the loop is not running.
+            Whatever the engine raised when adding this request (e.g. a too-long prompt).
+        """
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running{f' ({self.error})' if self.error else ''}")
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._send(("add", rid, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine has already dropped it
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its KV blocks are freed on the next loop turn."""
+        self._send(("abort", request_id))
+
+    def _send(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    # -- the engine thread -----------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    continue
+                t0 = time.perf_counter()
+                deltas = self.engine.step()
+                self.num_steps += 1
+                self.peak_batch = max(self.peak_batch, len(deltas))
+                if self.on_step is not None:
+                    self.on_step(time.perf_counter() - t0, deltas)
+                for d in deltas:
+                    if d.finish_reason == "abort":
+                        self.num_aborted += 1
+                    self._deliver(d.request_id, d)
+        except BaseException as e:  # a bug or OOM in the engine: fail every waiter, stop
+            log.exception("engine loop crashed")
+            self.error = e
+            self._stopping = True
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, ids, params = msg
+                if rid not in self._streams:
+                    continue  # its caller already left
+                try:
+                    self.engine.add_request(ids, params, request_id=rid)
+                except Exception as e:  # bad request: tell that caller only
+                    self._deliver(rid, e)
+            else:
+                try:
+                    self.engine.abort_request(msg[1])
+                except Exception:  # unknown or already finished: nothing to free
+                    log.debug("abort of %s ignored", msg[1], exc_info=True)
+
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._streams.get(rid)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # that event loop is closed
+            self._streams.pop(rid, None)
+
+
+class SerialEngine:
+    """NOT continuous batching: an engine-shaped adapter over `LLM.stream`, one request at a time.
+
+    The fallback when macinfer.engine.llm_engine is unavailable: requests queue first come, first
+    served, and each step advances the running request by one delta.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.waiting: deque = deque()
+        self.current: tuple[str, object] | None = None
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        self.llm.info.check_context(len(prompt_token_ids))
+        rid = request_id or uuid.uuid4().hex
+        self.waiting.append((rid, list(prompt_token_ids), params, time.perf_counter()))
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        if self.current and self.current[0] == request_id:
+            self.current[1].close()
+            self.current = None
+        self.waiting = deque(w for w in self.waiting if w[0] != request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.current or self.waiting)
+
+    def step(self) -> list[StreamDelta]:
+        if self.current is None:
+            rid, ids, params, arrival = self.waiting.popleft()
+            self.current = (rid, self.llm.stream(ids, params), arrival)
+        rid, gen, arrival = self.current
+        d = next(gen)
+        d.request_id = rid
+        if d.output is not None:
+            d.output.request_id = rid
+            d.output.metrics.arrival_time = arrival  # queueing counts towards TTFT
+            self.current = None
+        return [d]

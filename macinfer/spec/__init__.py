@@ -1,0 +1,1 @@
+"""Speculative decoding: the decoder that plans and verifies drafts, and one drafter per file."""

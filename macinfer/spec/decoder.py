@@ -1,0 +1,492 @@
+"""Speculative decoding inside continuous batching: choosing k, verifying, accounting.
+
+One step, as the engine runs it with a drafter:
+
+  1. `SpecDecoder.propose(running)`: for every decode row (1 token left), pick how
+     many tokens to draft and let the drafter write them into `seq.spec_token_ids`.
+  2. The scheduler schedules 1 + k tokens for such a row (vLLM v1: drafts are just
+     more tokens to compute); drafts are dropped rather than preempt anyone.
+  3. ModelRunner runs ONE forward over every decode row, padded to 1 + max k, and
+     hands the logits of the drafted positions to `verify_rows` (exact rejection
+     sampling, macinfer.spec.rejection).
+  4. `Scheduler.update_from_output` rolls num_computed_tokens back past the
+     rejected drafts and frees the blocks that held only them; the engine appends
+     the accepted tokens and the target's own next token; `SpecDecoder.record`
+     updates acceptance, costs and the request metrics.
+
+Choosing k (adaptive). Decode rows share one forward padded to L = 1 + K, so the
+choice is K per step, from the requests' tracked acceptance and measured costs:
+
+    expected tokens of row i   E_i(K) = (1 - a_i^(k_i + 1)) / (1 - a_i),  k_i = min(K, offer_i)
+    step time                  T(K)   = A + b * B * (1 + K * (1 - prod_i r_i)) + D * K
+    K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
+
+a_i is request i's acceptance rate for the kind of draft it would get now
+(decayed counts, with the drafter's pooled rate for that kind as prior; a drafter
+may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the
+measured cost of a decode step (a linear fit over recent decode-only steps,
+forgetting old ones), D the measured cost of one draft-model round (0 for n-gram,
+and when no row would draft with the model), r_i how often the drafter lately declined
+a row of that kind (a feature draft unsure of its first token drafts nothing: the
+round is paid, the forward is not widened; the decline counts as a rejection in a_i).
+offer_i is what the drafter can propose (an n-gram drafter often has nothing, or a
+short match). Counts decay while
+a request does not draft, so its estimate drifts back to the prior and it probes
+again now and then.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from macinfer.spec.drafter import DraftModelDrafter, Drafter, NgramDrafter
+from macinfer.errors import MacinferError
+from macinfer.spec.rejection import greedy_verify, rejection_sample
+from macinfer.engine.sequence import Sequence, SequenceStatus
+
+
+# -- verification (called by ModelRunner.execute_model) ---------------------------------
+def verify_rows(group: list[int], rows: list, logits: mx.array) -> list[tuple[int, mx.array]]:
+    """Verify every sampling row of one forward.
+
+    Args:
+        group: each row's index in the step's scheduled list.
+        rows: the ScheduledSequences of the forward.
+        logits: (B, L, V) logits of every position of the forward.
+
+    Returns:
+        (scheduled index, lazy int32 (k + 2,) [num_accepted, x_0..x_k]) per sampling row;
+        a row without drafts gets [0, its next token].
+    """
+    V = logits.shape[-1]
+    argmax = None
+    out = []
+    for j, r in enumerate(rows):
+        if not r.samples:
+            continue
+        seq, n, k = r.seq, r.num_new_tokens, r.num_spec_tokens
+        lg = logits[j, n - 1 - k: n]  # (k + 1, V): the positions that verify d_0..d_{k-1}, then the bonus
+        drafts = seq.spec_token_ids[:k]
+        if seq.sampler.params.greedy:
+            if argmax is None:
+                argmax = mx.argmax(logits, axis=-1)  # (B, L)
+            res = greedy_verify(argmax[j, n - 1 - k: n], mx.array(drafts, dtype=mx.int32))
+        elif k == 0:
+            res = mx.concatenate([mx.zeros((1,), mx.int32), seq.sampler(lg).astype(mx.int32)])
+        else:
+            q = seq.spec_probs
+            if q is not None:
+                q = q[:k]
+                if q.shape[-1] != V:  # a full draft model with more (or fewer) output rows
+                    q = q[:, :V] if q.shape[-1] > V else mx.pad(q, [(0, 0), (0, V - q.shape[-1])])
+            res = rejection_sample(seq.sampler.probs(lg), mx.array(drafts, dtype=mx.int32), q, seq.sampler.next_key())
+        out.append((group[j], res))
+    return out
+
+
+# -- the cost model ----------------------------------------------------------------------
+class StepCost:
+    """Decode step time as A + b * tokens: a linear fit with forgetting, plus a prior.
+
+    The prior (cost of a token = `prior_slope` x the first step measured) stands in
+    until steps of different sizes have been measured; it is forgotten like any
+    observation. It is optimistic on purpose: steps of one size (a batch that never
+    drafts) cannot measure the slope, so a pessimistic prior would keep K at 0 and
+    never learn otherwise (at 0.1, 8 requests of SmolLM2 with a feature draft never
+    drafted); an optimistic one gets drafting tried, and the verify steps it costs
+    measure the real slope (float32 + OpenBLAS: 1 -> 8 tokens took 104 -> 160 ms,
+    ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
+    """
+
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
+        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+        self.s = None  # weighted sums: w, x, y, xx, xy
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        s = self.s
+        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+            s[i] += v
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.s is None:
+            self.s = [0.0] * 5
+            # Prior: two points on the line through this one with the prior slope.
+            base = seconds / (1 + self.prior_slope * (tokens - 1))
+            for x in (1, 1 + 8 * max(1, tokens)):
+                self._add(x, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
+        self.s = [v * self.decay for v in self.s]
+        self._add(tokens, seconds, 1.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.s is not None
+
+    def coeffs(self) -> tuple[float, float]:
+        """(A, b): fixed cost per step and cost per token, seconds."""
+        w, x, y, xx, xy = self.s
+        den = w * xx - x * x
+        b = (w * xy - x * y) / den if den > 1e-9 * w * w else 0.0
+        b = max(b, 0.0)
+        a = max((y - b * x) / w, 1e-6)
+        return a, b
+
+    def __call__(self, tokens: int) -> float:
+        a, b = self.coeffs()
+        return a + b * tokens
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0  # decayed counts
+    tried: float = 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verify step emits with k drafts, each accepted with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpecDecoder:
+    """Drafts for the decode rows of each step and learns how many are worth it.
+
+    Args:
+        drafter: a Drafter.
+        block_pool: the target's BlockPool (rollback frees blocks there).
+        num_speculative_tokens: the most tokens drafted per row per step.
+        adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
+    """
+
+    DECAY = 0.9  # per step, a request's own acceptance counts
+    POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
+    PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
+    DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
+
+    def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 12, adaptive: bool = True):
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens}")
+        self.drafter = drafter
+        self.block_pool = block_pool
+        self.max_k = num_speculative_tokens
+        self.adaptive = adaptive
+        # Decayed counts per (request, kind of draft) and pooled per kind: kinds are the
+        # drafter's (`kind(seq)`, e.g. an n-gram match-length bucket), "" if it has none.
+        self.acceptance: dict[tuple[str, str], _Acceptance] = {}
+        self.pooled: dict[str, _Acceptance] = {}
+        self._kinds: dict[str, str] = {}  # request -> the kind it drafted this step
+        self.step_cost = StepCost()
+        self._draft_s = 0.0  # time spent drafting in the current step
+        self._declined: set[str] = set()  # requests the drafter was asked to draft for and did not
+        self.declines: dict[str, _Acceptance] = {}  # per kind: declined (accepted) of asked (tried), decayed
+        self.last_k = 0
+        # Async scheduling (wants_sync): a plan made with a step in flight is carried out by the
+        # next step; plans judged on stale tokens can be wrong (an n-gram match the pending token
+        # breaks), so each one that ends in no drafts doubles how many steps go unplanned.
+        self._draft_next, self._planned = False, False
+        self._plan_backoff, self._plan_penalty = 0, 1
+        self._plan_k = 0  # the K the carried-out plan was made for
+
+    # -- acceptance -------------------------------------------------------------------
+    def kind(self, seq: Sequence) -> str:
+        fn = getattr(self.drafter, "kind", None)
+        return fn(seq) if fn is not None else ""
+
+    def _prior(self, kind: str) -> float:
+        fn = getattr(self.drafter, "prior", None)
+        return fn(kind) if fn is not None else 0.5
+
+    def _pool(self, kind: str) -> _Acceptance:
+        pool = self.pooled.get(kind)
+        if pool is None:  # starts at the drafter's prior for this kind, worth 4 drafts
+            pool = self.pooled[kind] = _Acceptance(accepted=4.0 * self._prior(kind), tried=4.0)
+        return pool
+
+    def alpha(self, request_id: str, kind: str = "") -> float:
+        pool = self._pool(kind)
+        a = self.acceptance.get((request_id, kind), _Acceptance())
+        return (a.accepted + self.PRIOR * pool.accepted / max(pool.tried, 1e-9)) / (a.tried + self.PRIOR)
+
+    def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True) -> None:
+        if own:
+            a = self.acceptance.setdefault((request_id, kind), _Acceptance())
+            a.accepted += accepted
+            a.tried += tried
+        pool = self._pool(kind)
+        pool.accepted += accepted
+        pool.tried += tried
+
+    def decline_rate(self, kind: str = "") -> float:
+        """How often the drafter, asked for drafts of this kind, lately drafted nothing (pooled)."""
+        d = self.declines.get(kind)
+        return d.accepted / d.tried if d is not None and d.tried > 0 else 0.0
+
+    def draft_round_seconds(self) -> float:
+        """One draft-model round, as the drafter measured it; 0 for n-gram.
+
+        Until measured, 0: the first drafts measure it. (A pessimistic guess, such as a quarter
+        of a step, can keep K at 0 for good when many rows share a step, and then nothing is
+        ever measured: a one-layer feature draft at 8 requests never drafted.)
+        """
+        if not self.drafter.has_model:
+            return 0.0
+        measured = getattr(self.drafter, "round_s", None)
+        return measured if measured is not None else 0.0
+
+    def _rounds(self, seqs: list[Sequence], offers: list[int]) -> bool:
+        """Whether drafting for these rows runs the draft model (a hybrid drafter may look up instead)."""
+        uses = getattr(self.drafter, "uses_model", None)
+        if uses is None:
+            return self.drafter.has_model
+        return any(o > 0 and uses(s) for s, o in zip(seqs, offers))
+
+    def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True,
+                 declines: list[float] | None = None) -> int:
+        """The K that maximises expected tokens per second this step (see module docstring).
+
+        rounds: False if no row would draft with the model (no draft-round cost).
+        declines: each row's chance that the drafter, asked, drafts nothing (a feature draft
+            unsure of its first token). Such a row still costs its draft round, and its
+            acceptance (alphas) counts the decline as a rejection, but it adds no verify
+            position: the forward is only widened if some row drafts.
+        """
+        if not self.adaptive:
+            return self.max_k
+        if not self.step_cost.ready:
+            return 0  # measure one plain decode step first
+        B = len(alphas)
+        declines = declines or [0.0] * B
+        best_k, best = 0, 0.0
+        for K in range(0, max(offers, default=0) + 1):
+            tokens = sum(expected_tokens(a, min(K, o)) for a, o in zip(alphas, offers))
+            all_decline = 1.0
+            for d, o in zip(declines, offers):
+                all_decline *= d if min(K, o) > 0 else 1.0
+            width = B * (1 + K * (1.0 - all_decline)) if K else B
+            seconds = self.step_cost(width) + (self.draft_round_seconds() * K if rounds else 0.0)
+            if tokens / seconds > best * (1 + 1e-6):
+                best_k, best = K, tokens / seconds
+        return best_k
+
+    # -- the step ---------------------------------------------------------------------
+    def _tick(self, running: list[Sequence]) -> None:
+        """Once per step: forget finished requests, decay the acceptance counts."""
+        live = {s.request_id for s in running}
+        for rid in {r for r, _ in self.acceptance if r not in live}:
+            self.remove(rid)
+        for a in self.acceptance.values():
+            a.accepted *= self.DECAY
+            a.tried *= self.DECAY
+        for kind, pool in self.pooled.items():  # drifts back to the prior while unused
+            pool.accepted = self.POOL_DECAY * pool.accepted + (1 - self.POOL_DECAY) * self._prior(kind)
+            pool.tried = self.POOL_DECAY * pool.tried + (1 - self.POOL_DECAY)
+
+    def plan_k(self, seqs: list[Sequence], pending: bool) -> int:
+        """The K the next step would draft for these decode rows, without drafting anything.
+
+        The engine asks before it queues a step asynchronously (which cannot draft: drafts
+        need the previous step's token). With a step still in flight (pending), that token
+        is unknown, so the drafter's offer is judged on the tokens known so far; any K keeps
+        the output exact, so a stale guess only costs speed.
+        """
+        if not self.adaptive:
+            return self.max_k
+        return self._choose(seqs, 2 if pending else 1)[0]
+
+    def _choose(self, seqs: list[Sequence], last: int) -> tuple[int, list[int], list[str]]:
+        """(K, each row's offer, each row's kind of draft) for these decode rows.
+
+        `last`: tokens each row still produces before a draft could start (its next token, and
+        with a step in flight the pending one); a row never drafts past its max_tokens.
+        """
+        caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
+        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
+        kinds = [self.kind(s) for s in seqs]
+        alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
+        declines = [self.decline_rate(kd) for kd in kinds]
+        K = self.choose_k(alphas, offers, self._rounds(seqs, offers), declines) if seqs else 0
+        return K, offers, kinds
+
+    def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
+        """Whether the next step should be synchronous so that it can draft for these rows.
+
+        The engine asks before it queues a step asynchronously. With a step in flight
+        (pending) a yes means: read it back, and draft in the step after.
+        """
+        if not pending and self._draft_next:
+            self._draft_next, self._planned = False, True
+            return True
+        if self._plan_backoff > 0:
+            self._plan_backoff -= 1
+            return False
+        K = self.plan_k(seqs, pending)
+        if K > 0:
+            self._draft_next, self._plan_k = pending, K
+            return True
+        return False
+
+    def skip_step(self, running: list[Sequence], num_rows: int, seconds: float | None) -> None:
+        """A step ran without drafts, queued asynchronously: age the counts as propose would,
+        and learn its cost (wall time between two such steps, which is what K = 0 costs)."""
+        self._tick(running)
+        self.last_k = 0
+        if seconds:
+            self.step_cost.observe(num_rows, seconds)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Draft tokens for the decode rows among running (sets seq.spec_token_ids)."""
+        t0 = time.perf_counter()
+        self._tick(running)
+
+        decodes = []
+        for seq in running:
+            seq.spec_token_ids, seq.spec_probs = [], None
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+                decodes.append(seq)
+        K, offers, kinds = self._choose(decodes, 1)
+        if self._planned and not K and self.adaptive:
+            # Planned a step ago, and the step is synchronous now whatever we do. Judged again,
+            # K is 0 only on a knife edge (a step's cost or the counts' aging moved it) or because
+            # the offers are gone (an n-gram match the pending token broke). Keep the plan in the
+            # first case: a synchronous step that does not draft is the worst of both.
+            K = min(self._plan_k, max(offers, default=0))
+        self.last_k = K
+        self._draft_next = False  # this step drafts (or not) on the tokens known now
+        if self._planned:
+            self._planned = False
+            if K:
+                self._plan_penalty = 1
+            else:  # a synchronous step for nothing: plan less often for a while
+                self._plan_backoff = self._plan_penalty
+                self._plan_penalty = min(2 * self._plan_penalty, 64)
+        self._draft_s = 0.0
+        self._declined = set()
+        self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
+        if K > 0:
+            self.drafter.propose(decodes, [min(K, o) for o in offers])
+            # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
+            # of its first token), as opposed to drafts dropped later for room.
+            self._declined = {s.request_id for s, o in zip(decodes, offers) if o > 0 and not s.spec_token_ids}
+            for s, o, kd in zip(decodes, offers, kinds):
+                if o > 0:
+                    d = self.declines.setdefault(kd, _Acceptance(0.0, 2.0))  # prior: 0 of 2 declined
+                    d.accepted = self.DECLINE_DECAY * d.accepted + (s.request_id in self._declined)
+                    d.tried = self.DECLINE_DECAY * d.tried + 1.0
+        self._draft_s = time.perf_counter() - t0
+
+    def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:
+        """After the step (tokens appended): rollback, acceptance, metrics, the step's cost.
+
+        Rollback: a row that verified k drafts and accepted a of them now has
+        a + 1 new tokens, the last one without K/V yet. The scheduler counted only
+        the row's real token as computed; the a accepted drafts' K/V is valid, so
+        they are counted here, and blocks past the sequence's tokens (holding only
+        rejected drafts) are freed:
+
+            before    tokens [.. t]           computed [.. ]            + k drafts written
+            after     tokens [.. t d0 d1 x]   computed [.. t d0 d1]     (a = 2, x: the target's)
+
+        Args:
+            scheduled: the step's ScheduledSequences.
+            sampled: what execute_model returned for each (a list of tokens for rows with drafts).
+            step_seconds: the whole step's wall time, drafting included.
+        """
+        decode_only, width = True, 1
+        for s, toks in zip(scheduled, sampled):
+            if s.num_new_tokens - s.num_spec_tokens != 1 or toks is None:
+                decode_only = False
+            width = max(width, s.num_new_tokens)
+            kind = self._kinds.get(s.seq.request_id, "")  # what drafted for it this step
+            if s.seq.is_finished:  # its target blocks are free already: free the drafter's too
+                self.remove(s.seq.request_id)
+            k = s.num_spec_tokens
+            if not k:
+                if s.seq.request_id in self._declined and not s.seq.is_finished:
+                    # Asked and declined (a feature draft unsure of its first token): the draft
+                    # round cost time and bought nothing, like a rejected draft.
+                    self._record(s.seq.request_id, kind, 0.0, 1.0)
+                continue
+            accepted = len(toks) - 1
+            if not s.seq.is_finished:
+                s.seq.num_computed_tokens += accepted
+                self.block_pool.trim(s.seq, s.seq.num_tokens)
+            tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
+            self._record(s.seq.request_id, kind, accepted, tried, own=not s.seq.is_finished)
+            m = s.seq.metrics
+            m.draft_tokens += k
+            m.accepted_tokens += accepted
+            m.spec_steps += 1
+            if kind.startswith("ngram:"):
+                m.lookup_draft_tokens += k
+                m.lookup_accepted_tokens += accepted
+        if decode_only and scheduled:
+            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
+
+    def remove(self, request_id: str) -> None:
+        for key in [key for key in self.acceptance if key[0] == request_id]:
+            del self.acceptance[key]
+        self._kinds.pop(request_id, None)
+        self.drafter.remove(request_id)
+
+
+# -- building one from a `draft=` option --------------------------------------------------
+def shipped_draft_for(model_name: str | None) -> str | None:
+    """The name of the draft shipped for this model, if any (macinfer.draft_model.SHIPPED_DRAFTS)."""
+    try:
+        from macinfer.spec.draft_model import SHIPPED_DRAFTS
+    except ImportError:
+        return None
+    path = SHIPPED_DRAFTS.get(model_name or "")
+    return model_name if path is not None and path.is_dir() else None
+
+
+def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int, runner=None) -> Drafter:
+    """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter.
+
+    "<model spec>+ngram" drafts by n-gram lookup where the sequence copies itself and with the
+    model elsewhere (drafter.LookupDrafter). A feature draft (macinfer.spec.feature_draft) also needs
+    the target's ModelRunner (`runner`), whose forwards hand it their hidden states.
+    """
+    if isinstance(draft, str) and draft.lower() == "ngram":
+        return NgramDrafter()
+    if isinstance(draft, str) and draft.lower().endswith("+ngram") and draft[: -len("+ngram")]:
+        from macinfer.spec.drafter import LookupDrafter
+
+        return LookupDrafter(make_drafter(draft[: -len("+ngram")], model, tokenizer, num_blocks, block_size, runner))
+    if hasattr(draft, "propose") and hasattr(draft, "available"):
+        return draft  # a Drafter already
+    name = "draft"
+    if isinstance(draft, str) or hasattr(draft, "__fspath__"):
+        try:
+            from macinfer.spec.draft_model import load_draft
+        except ImportError:
+            raise MacinferError("draft models need macinfer.spec.draft_model, which is missing") from None
+        name = str(draft)
+        draft = load_draft(draft, model, tokenizer)
+    from macinfer.spec.feature_draft import FeatureDraft, FeatureDrafter
+
+    if isinstance(draft, FeatureDraft):
+        if runner is None:
+            raise MacinferError("a feature draft needs the target's model runner")
+        return FeatureDrafter(draft, runner, num_blocks, block_size, name=name)
+    return DraftModelDrafter(draft, num_blocks, block_size, name=name)  # an mlx-lm model
+
+
+def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_blocks: int, block_size: int,
+                      block_pool, runner=None) -> SpecDecoder | None:
+    """The engine's SpecDecoder for EngineConfig `config`, or None without a draft.
+
+    draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS) with n-gram lookup
+    ("<name>+ngram"), or none.
+    """
+    draft = config.draft
+    if isinstance(draft, str) and draft == "auto":
+        draft = shipped_draft_for(model_name)
+        draft = draft and draft + "+ngram"
+    if draft is None:
+        return None
+    drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size, runner)
+    return SpecDecoder(drafter, block_pool, config.num_speculative_tokens, config.adaptive_speculation)

@@ -1,0 +1,349 @@
+"""Drafters: cheap guesses of a sequence's next tokens, for the target to verify.
+
+One small interface (`Drafter`), and these kinds:
+
+- `NgramDrafter` (prompt lookup): find the latest earlier occurrence of the
+  sequence's last n tokens (n = 4 down to 2) and propose what followed it, as
+  many tokens as the match is long. No model; deterministic, so its draft
+  distribution q is one-hot.
+- `DraftModelDrafter`: a small model sharing the target's tokenizer, run k
+  times per step over its own paged KV cache (its own BlockPool and
+  ModelRunner, the same machinery as the target's). It samples each draft
+  from its own distribution q with the request's sampling parameters and key,
+  and hands q to the verifier (macinfer.spec.rejection).
+- `FeatureDrafter` (macinfer.spec.feature_draft): a one-layer draft fed the
+  target's own hidden states (EAGLE-style).
+- `LookupDrafter`: n-gram lookup for rows whose text repeats itself, a model
+  drafter for the others ("<model>+ngram", and "auto").
+
+A drafter may also say what kind of draft a row would get (`kind(seq)`, with a
+`prior(kind)` acceptance): the speculative decoder tracks acceptance per kind.
+
+A drafter writes its proposal into `seq.spec_token_ids` (and `seq.spec_probs`,
+the (k, V) q rows, or None for a deterministic drafter); the scheduler then
+treats those tokens as more tokens to compute (vLLM v1's scheme).
+
+The draft model's view of a request is a `_DraftSeq`: the tokens fed to the
+draft so far and how many of them have K/V in the draft's pool. After the target
+verified, the draft's tokens past the common prefix with the target's are
+stale; `_sync` cuts them off (rollback) and frees the draft blocks past that point:
+
+    target tokens   [ ... t  d0  d1  x ]        d0, d1 accepted, x emitted by the target
+    draft fed       [ ... t  d0  d1  d2 ]       d2 drafted (and fed), then rejected
+    common prefix   [ ... t  d0  d1 ]           -> draft num_computed_tokens cut to here
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.engine.block_pool import BlockPool
+from macinfer.engine.sequence import Sequence
+
+
+class Drafter(Protocol):
+    """What the speculative decoder needs from a drafter."""
+
+    name: str
+    has_model: bool  # True: each drafted token costs a draft forward (a round)
+
+    def available(self, seq: Sequence, k: int) -> int:
+        """How many tokens (<= k) the drafter can propose for seq right now."""
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        """Set seq.spec_token_ids (at most num_draft[i] tokens) and seq.spec_probs for each seq."""
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request (finished or preempted): free whatever it holds."""
+
+
+# A draft round feeding at most this many tokens per row is a decode round (last step's verified
+# tokens) and is timed for `round_s`; a new prompt's catch-up is not the steady cost.
+STEADY_TOKENS = 8
+
+
+def draft_pick(seq: Sequence, logits: mx.array):
+    """(drafted token, q) for one row, both lazy: greedy takes the argmax (q None); a sampled
+    draft draws from q, the distribution the verifier's rejection sampling must be given."""
+    if seq.sampler.params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = seq.sampler.probs(logits)
+    return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
+
+
+def pick_kept(seq: Sequence, sub: mx.array, head):
+    """draft_pick for a draft whose head keeps a subset of the vocabulary (a SubsetHead):
+    `sub` holds one row's logits over the kept columns only.
+
+    A greedy row picks among those columns: building the full-vocabulary logits (-inf
+    elsewhere) and taking their argmax cost 24 ms for 8 rows of SmolLM2's vocabulary here,
+    and gives the same token (the kept ids are sorted, so the first maximum is the same).
+    A sampled row needs the full q for the verifier: draft_pick on the expanded row.
+    """
+    if seq.sampler.params.greedy:
+        return head.ids[mx.argmax(sub, axis=-1)], None
+    return draft_pick(seq, head.expand(sub))
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting from the sequence's own tokens.
+
+    The offer is trusted as far as the copy has held: the latest earlier occurrence of
+    the last n tokens (n = 4 down to 2) is extended backwards to the match length m (how
+    many tokens before the end agree with the tokens before that occurrence), and at most
+    m tokens are offered. On the held-out chat continuations of scripts/train_draft.py,
+    SmolLM2-135M's first drafted token was right 42% of the time at m = 2, 58-61% at m = 3-5
+    and 88-100% from m = 8 (a repeated list, a quoted block): so the acceptance is tracked
+    per match-length bucket (`kind`), with those rates as priors.
+
+    Args:
+        max_n, min_n: n-gram sizes tried, longest first.
+        max_match: how far back the match length is measured.
+
+    Example:
+        >>> NgramDrafter().lookup([1, 2, 3, 4, 9, 1, 2, 3], 3)
+        [4, 9, 1]
+        >>> NgramDrafter().match([7, 1, 2, 3, 4, 9, 7, 1, 2, 3], 8)  # "7 1 2 3" matched: m = 4
+        ([4, 9, 7, 1, 2, 3], 4)
+    """
+
+    name = "ngram"
+    has_model = False
+    BUCKETS = ((2, 0.40), (4, 0.55), (7, 0.70), (10**9, 0.90))  # (largest m, prior acceptance)
+
+    def __init__(self, max_n: int = 4, min_n: int = 2, max_match: int = 32):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n, self.max_match = max_n, min_n, max_match
+        self._cache: dict[str, tuple[int, list[int], int]] = {}  # request_id -> (num_tokens, lookup, m)
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the latest earlier match of the last n tokens, the match length m)."""
+        if k <= 0 or len(tokens) <= self.min_n:
+            return [], 0
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            # Windows starting at 0 .. len-1-n: each has at least one token after it,
+            # and the suffix itself (starting at len-n) is excluded.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                hit = int(hits[-1])
+                m = n  # extend the match backwards: tokens before the hit vs before the suffix
+                while m < self.max_match and hit - (m - n) > 0 and arr[hit - (m - n) - 1] == arr[len(arr) - m - 1]:
+                    m += 1
+                start = hit + n
+                return arr[start: start + k].tolist(), m
+        return [], 0
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens (or fewer) that followed the latest earlier match of the last n tokens."""
+        return self.match(tokens, k)[0]
+
+    def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        cached = self._cache.get(seq.request_id)
+        if cached is None or cached[0] != seq.num_tokens:  # max_match tokens: no offer is longer than m
+            cached = (seq.num_tokens, *self.match(seq.token_ids, self.max_match))
+            self._cache[seq.request_id] = cached
+        drafts, m = cached[1], cached[2]
+        return drafts[: min(k, m)], m
+
+    def match_length(self, seq: Sequence) -> int:
+        """How long the sequence's current copy has held (0: no earlier occurrence)."""
+        return self._lookup(seq, 1)[1]
+
+    def available(self, seq: Sequence, k: int) -> int:
+        return len(self._lookup(seq, k)[0])
+
+    def kind(self, seq: Sequence) -> str:
+        """The acceptance bucket of seq's current match (SpecDecoder tracks acceptance per kind)."""
+        m = self.match_length(seq)
+        return "ngram:" + str(next(i for i, (top, _) in enumerate(self.BUCKETS) if m <= top))
+
+    def prior(self, kind: str) -> float:
+        return self.BUCKETS[int(kind.split(":")[1])][1]
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        for seq, k in zip(seqs, num_draft):
+            seq.spec_token_ids = self._lookup(seq, k)[0] if k > 0 else []  # at most m tokens
+            seq.spec_probs = None  # deterministic: q is one-hot
+
+    def remove(self, request_id: str) -> None:
+        self._cache.pop(request_id, None)
+
+
+class LookupDrafter:
+    """n-gram lookup where the sequence is copying itself, a model draft everywhere else.
+
+    A small model's drafts are right ~35-45% of the time on chat (scripts/train_eagle.py);
+    a copy that has held for a few tokens is right far more often (NgramDrafter) and costs
+    no draft round. So each step, each row drafts by lookup if its match length is at least
+    `min_match`, else with the model. `draft="<model>+ngram"`; the default ("auto") for a
+    model with a shipped draft.
+
+    Args:
+        model: a DraftModelDrafter or FeatureDrafter.
+        ngram: the NgramDrafter (default: a new one).
+        min_match: shortest match drafted by lookup (3: 56% first-token acceptance, above
+            the shipped feature draft's 44%).
+    """
+
+    has_model = True
+
+    def __init__(self, model, ngram: NgramDrafter | None = None, min_match: int = 3):
+        self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
+        self.name = f"{model.name}+ngram"
+
+    def _lookup(self, seq: Sequence) -> bool:
+        return self.ngram.match_length(seq) >= self.min_match
+
+    @property
+    def round_s(self) -> float | None:
+        return getattr(self.model, "round_s", None)
+
+    def uses_model(self, seq: Sequence) -> bool:
+        """Whether drafting for seq now costs draft-model rounds."""
+        return not self._lookup(seq)
+
+    def available(self, seq: Sequence, k: int) -> int:
+        return self.ngram.available(seq, k) if self._lookup(seq) else self.model.available(seq, k)
+
+    def kind(self, seq: Sequence) -> str:
+        return self.ngram.kind(seq) if self._lookup(seq) else "model"
+
+    def prior(self, kind: str) -> float:
+        return self.ngram.prior(kind) if kind.startswith("ngram:") else 0.5
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        lookup = [self._lookup(s) for s in seqs]
+        for part, drafter in ((True, self.ngram), (False, self.model)):
+            rows = [(s, k) for s, k, lk in zip(seqs, num_draft, lookup) if lk is part]
+            if rows:
+                drafter.propose([s for s, _ in rows], [k for _, k in rows])
+
+    def remove(self, request_id: str) -> None:
+        self.ngram.remove(request_id)
+        self.model.remove(request_id)
+
+
+class _DraftSeq:
+    """The draft model's view of one request (duck-types Sequence for BlockPool and ModelRunner)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.token_ids: list[int] = []  # tokens fed (or to feed) to the draft
+        self.num_computed_tokens = 0  # of those, how many have K/V in the draft pool
+        self.num_valid = 0  # leading token_ids known to equal the target's
+        self.block_table: list[int] = []
+
+
+class DraftModelDrafter:
+    """Draft tokens with a small model over its own paged KV cache.
+
+    Args:
+        model: the draft, an mlx-lm model sharing the target's tokenizer
+            (macinfer.draft_model.load_draft checks that).
+        num_blocks, block_size: the draft's own block pool.
+        name: for messages and stats.
+    """
+
+    has_model = True
+
+    def __init__(self, model, num_blocks: int, block_size: int, name: str = "draft"):
+        from macinfer.engine.model_runner import ModelRunner
+        from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+
+        self.name = name
+        self.model = model
+        self.pool = BlockPool(num_blocks, block_size)
+        self.runner = ModelRunner(model, inspect_model(model, name), num_blocks, block_size,
+                                  batch_decode=supports_batched_offsets(model))
+        # A head over a subset of the vocabulary (macinfer.draft_model.SubsetHead): rounds take
+        # the logits of its kept columns only, and pick_kept widens them where q is needed.
+        head = getattr(model, "lm_head", None)
+        self.head = head if hasattr(head, "expand") and hasattr(head, "ids") else None
+        self.states: dict[str, _DraftSeq] = {}
+        # Seconds per draft round of decode rows (EMA; None until measured; see STEADY_TOKENS).
+        self.round_s: float | None = None
+
+    def available(self, seq: Sequence, k: int) -> int:
+        return k
+
+    def _sync(self, seq: Sequence) -> _DraftSeq:
+        """Bring the draft's tokens in line with the target's; roll back what diverged."""
+        st = self.states.get(seq.request_id)
+        if st is None:
+            st = self.states[seq.request_id] = _DraftSeq(seq.request_id)
+        # The target only ever appends, so the first num_valid tokens still agree.
+        v, end = st.num_valid, min(len(st.token_ids), seq.num_tokens)
+        while v < end and st.token_ids[v] == seq.token_ids[v]:
+            v += 1
+        del st.token_ids[v:]
+        st.token_ids.extend(seq.token_ids[v:])
+        st.num_valid = len(st.token_ids)
+        # At least the last token is fed again: its logits give the first draft.
+        st.num_computed_tokens = min(st.num_computed_tokens, v, len(st.token_ids) - 1)
+        self.pool.trim(st, st.num_computed_tokens)
+        return st
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        from macinfer.engine.scheduler import ScheduledSequence
+
+        rows = []  # (seq, draft view, k)
+        for seq, k in zip(seqs, num_draft):
+            seq.spec_token_ids, seq.spec_probs = [], None
+            if k <= 0:
+                continue
+            st = self._sync(seq)
+            # k rounds: the first feeds everything not yet computed, each later one the
+            # previous draft; the last draft is never fed (it may be rejected).
+            if not self.pool.allocate_slots(st, st.num_valid - st.num_computed_tokens + k - 1):
+                continue  # the draft pool is full: no drafts for this one this step
+            rows.append((seq, st, k))
+        probs: dict[str, list[mx.array]] = {}
+        for r in range(max((k for _, _, k in rows), default=0)):
+            active = [(seq, st) for seq, st, k in rows if k > r]
+            groups = [active] if self.runner.batch_decode else [[a] for a in active]
+            t0 = time.perf_counter()
+            steady = all(len(st.token_ids) - st.num_computed_tokens <= STEADY_TOKENS for _, st in active)
+            for group in groups:
+                sched = [ScheduledSequence(st, len(st.token_ids) - st.num_computed_tokens) for _, st in group]
+                logits = self._forward(sched)  # (B, V), or (B, N) over a SubsetHead's kept columns
+                picks = []
+                for j, (seq, _) in enumerate(group):
+                    tok, q = draft_pick(seq, logits[j]) if self.head is None else pick_kept(seq, logits[j], self.head)
+                    if q is not None:
+                        probs.setdefault(seq.request_id, []).append(q)
+                    picks.append(tok)
+                picks = mx.stack(picks)
+                mx.eval(picks, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model
+                for s, (seq, st), tok in zip(sched, group, picks.tolist()):
+                    st.num_computed_tokens += s.num_new_tokens
+                    st.token_ids.append(tok)
+                    seq.spec_token_ids.append(tok)
+            if steady:
+                dt = time.perf_counter() - t0
+                self.round_s = dt if self.round_s is None else 0.7 * self.round_s + 0.3 * dt
+        for seq, _, _ in rows:
+            if seq.request_id in probs:
+                seq.spec_probs = mx.stack(probs[seq.request_id])  # (k, V)
+
+    def _forward(self, sched: list) -> mx.array:
+        """Each row's next-token logits: (B, V), or (B, N) over the kept columns of a SubsetHead."""
+        if self.head is None:
+            return self.runner._forward(sched)
+        # The graph is built inside the call, so the narrow head is in place only while it is.
+        self.model.lm_head = lambda h: h @ self.head.weight.T
+        try:
+            return self.runner._forward(sched)
+        finally:
+            self.model.lm_head = self.head
+
+    def remove(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            self.pool.free(st)
