@@ -12,8 +12,8 @@ from typing import Iterable, Iterator
 
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.engine.outputs import RequestOutput, StreamDelta
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.outputs import RequestOutput, StreamDelta
+from macinfer.core.sampling import SamplingParams
 
 
 class LLM:

@@ -133,7 +133,7 @@ def end_to_end(spec, contexts, n_tokens, backends):
 
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.modelio.loader import load_model
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     model, tok, info = load_model(spec)
     print(f"end-to-end decode, {info.name} ({info.quantization}), {n_tokens} tokens after the context")

@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator, stream_generate  # noqa: E402
 
 from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from macinfer.engine.sampling import SamplingParams  # noqa: E402
+from macinfer.core.sampling import SamplingParams  # noqa: E402
 
 SENTENCES = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",

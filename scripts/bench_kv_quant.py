@@ -36,7 +36,7 @@ def main():
 
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.modelio.loader import load_model
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     model, tok, info = load_model(a.model, dequantize=a.dequantize)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]

@@ -38,7 +38,7 @@ import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
 from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from macinfer.engine.sampling import SamplingParams  # noqa: E402
+from macinfer.core.sampling import SamplingParams  # noqa: E402
 
 TEXT = (
     "You are a careful assistant for a library. Answer questions about opening hours, loans, "

@@ -30,7 +30,7 @@ def bench_engines(model_spec, repeats, tokens, dequantize):
     from mlx_lm.generate import stream_generate
 
     from macinfer.llm import LLM
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     # Prefix cache off: repeats of one prompt would otherwise be cache hits (not what is compared).
     llm = LLM(model_spec, dequantize=dequantize, enable_prefix_cache=False)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 
 from macinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from macinfer.engine.sampling import SamplingParams  # noqa: E402
+from macinfer.core.sampling import SamplingParams  # noqa: E402
 
 CHAT = [
     "What is the capital of France? Answer in one sentence.",

@@ -270,7 +270,7 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new: int, temp: floa
 
     feats: list = []  # with features: the hidden states of every forward, in order
     if features:
-        from macinfer.spec.feature_draft import split_head
+        from macinfer.core.lm_head import split_head
 
         body, head = split_head(model)
 
@@ -636,7 +636,8 @@ def cmd_train(args):
     mx.random.seed(SEED)
     model, tokenizer, info = load_target()
     target_config = json.loads((Path(info.path) / "config.json").read_text())
-    from macinfer.spec.draft_model import SubsetHead, load_draft
+    from macinfer.core.lm_head import SubsetHead
+    from macinfer.spec.draft_model import load_draft
 
     held = load_shards("heldout")
     train = load_shards("train")

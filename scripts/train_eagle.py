@@ -138,7 +138,7 @@ def build_draft(target, target_config: dict, head_ids: list[int], init_layer: in
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from macinfer.spec.draft_model import SubsetHead
+    from macinfer.core.lm_head import SubsetHead
     from macinfer.spec.feature_draft import FeatureDraft, feature_draft_config
 
     cfg = feature_draft_config(target_config, len(head_ids), source_layer=init_layer)
@@ -491,7 +491,7 @@ def cmd_engine(args):
     import collections
 
     from macinfer.engine.llm_engine import LLMEngine
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     model, tok, info = td.load_target()
     held = load_with_feats("heldout")[: args.eval_prompts]

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.sampling import SamplingParams
 from test_engine import assert_all_free, oracle, run
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from macinfer.engine.block_pool import BlockPool
-from macinfer.engine.sampling import SamplingParams
-from macinfer.engine.sequence import Sequence
+from macinfer.core.block_pool import BlockPool
+from macinfer.core.sampling import SamplingParams
+from macinfer.core.sequence import Sequence
 
 
 def ids(blocks):

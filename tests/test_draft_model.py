@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from macinfer.spec.draft_model import SHIPPED_DRAFTS, SubsetHead, load_draft
+from macinfer.core.lm_head import SubsetHead
+from macinfer.spec.draft_model import SHIPPED_DRAFTS, load_draft
 from macinfer.errors import MacinferError
 
 # A held-out prompt kind (scripts/train_draft.py never trains on held-out topics).
@@ -86,7 +87,7 @@ def test_shipped_feature_draft_is_accepted(target):
 
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.spec.feature_draft import FeatureDraft
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     model, tokenizer = target
     draft = load_draft("smollm2-135m", model, tokenizer)

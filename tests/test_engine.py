@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from macinfer.engine.llm_engine import LLMEngine, parse_memory
 from macinfer.errors import MacinferError
 from macinfer.kv.paged_cache import inspect_model
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.sampling import SamplingParams
 
 def oracle(model, prompt, max_tokens, eos=()):
     """Greedy tokens from mlx-lm alone, cut at the first EOS (which is not output)."""

@@ -21,9 +21,9 @@ from test_spec_decode import TEXTS, run
 from macinfer.spec.draft_model import load_draft, save_draft
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.spec.feature_draft import (FeatureDraft, FeatureDrafter, feature_draft_config, load_feature_draft,
-                                    split_head)
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.lm_head import split_head
+from macinfer.spec.feature_draft import FeatureDraft, FeatureDrafter, feature_draft_config, load_feature_draft
+from macinfer.core.sampling import SamplingParams
 
 MAX_TOKENS = 20
 

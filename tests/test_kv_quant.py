@@ -6,7 +6,7 @@ from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
 from macinfer.kv.quant import kv_group_size, quantized_bytes_per_token
 from macinfer.kv.paged_cache import LayerSpec
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.sampling import SamplingParams
 
 
 def test_bytes_per_token_by_hand():

@@ -547,7 +547,7 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
         return paged_attention(*args, **kw)
 
     engine.runner.ctx.attention_fn = spy
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     engine.add_request(tok.encode("hello world"), SamplingParams(max_tokens=2))
     while engine.has_unfinished():

@@ -10,11 +10,11 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from macinfer.engine.block_pool import BlockPool
+from macinfer.core.block_pool import BlockPool
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.engine.prefix_cache import hash_block_tokens, hash_blocks
-from macinfer.engine.sampling import SamplingParams
-from macinfer.engine.sequence import Sequence
+from macinfer.core.prefix_cache import hash_block_tokens, hash_blocks
+from macinfer.core.sampling import SamplingParams
+from macinfer.core.sequence import Sequence
 from test_engine import assert_all_free, oracle, run
 
 ROOT = b"model"
@@ -309,7 +309,7 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     head-major: files saved by older versions load into the right slots, unchanged."""
     from types import SimpleNamespace
 
-    from macinfer.engine.kv_store import FORMAT, DiskPrefixStore
+    from macinfer.core.kv_store import FORMAT, DiskPrefixStore
 
     bs, H, D, nb = 4, 2, 8, 6
     rng = random.Random(0)

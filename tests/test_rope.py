@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.kv.rope import SharedRoPE, _angles, _apply, install_shared_rope, rotation_matches
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

@@ -85,7 +85,7 @@ def test_bandwidth_counts_forwards_not_accepted_drafts():
 
     from macinfer.perf.bandwidth import PeakBandwidth
     from macinfer.cli.main import run_stats
-    from macinfer.engine.metrics import RequestMetrics
+    from macinfer.core.metrics import RequestMetrics
 
     def stats(accepted):
         m = RequestMetrics(arrival_time=0.0, first_token_time=1.0, finish_time=2.0, prompt_tokens=8,

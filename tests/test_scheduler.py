@@ -4,10 +4,10 @@ No model: a step is simulated by advancing num_computed_tokens and appending a
 dummy token to every sequence that the step completes.
 """
 
-from macinfer.engine.block_pool import BlockPool
-from macinfer.engine.sampling import SamplingParams
-from macinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.core.block_pool import BlockPool
+from macinfer.core.sampling import SamplingParams
+from macinfer.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from macinfer.core.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks, block_size, max_num_seqs, budget):

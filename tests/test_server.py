@@ -225,7 +225,7 @@ def test_serve_cli_help_and_one_line_error():
 
 def test_serial_fallback_engine_is_exact_but_not_batched(tiny_models):
     from macinfer.serve.async_engine import AsyncEngine, SerialEngine
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     path = tiny_models("llama")
     llm = LLM(str(path), num_blocks=65)

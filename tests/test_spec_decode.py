@@ -21,8 +21,8 @@ from oracle import mlx_lm_greedy
 
 from macinfer.spec.drafter import DraftModelDrafter, NgramDrafter
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.engine.sampling import Sampler, SamplingParams
-from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.core.sampling import Sampler, SamplingParams
+from macinfer.core.sequence import Sequence, SequenceStatus
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown",

@@ -266,7 +266,7 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
     drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
     its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
     import tui.runner as runner_mod
-    from macinfer.engine.outputs import StreamDelta
+    from macinfer.core.outputs import StreamDelta
 
     steps = iter([(10.0, [[5]]), (11.0, [[6], [7], [8]]), (12.0, [[9]]), (14.0, [[10], [11]])])
     clock = [10.0]

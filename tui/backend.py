@@ -18,8 +18,8 @@ from macinfer.errors import MacinferError
 from tui.messages import KVStats, ModelCard
 
 if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done on the engine thread
-    from macinfer.engine.outputs import StreamDelta
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.outputs import StreamDelta
+    from macinfer.core.sampling import SamplingParams
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
 

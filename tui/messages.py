@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from macinfer.engine.outputs import RequestOutput
+from macinfer.core.outputs import RequestOutput
 
 
 @dataclass

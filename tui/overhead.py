@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     from macinfer.llm import LLM
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     llm = LLM(a.model)
     ids = llm.apply_chat_template([{"role": "user", "content": PROMPT}])

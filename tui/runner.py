@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Callable
 from textual.message import Message
 
 from macinfer.errors import MacinferError
-from macinfer.engine.outputs import RequestOutput
+from macinfer.core.outputs import RequestOutput
 from tui.backend import release_thread
 
 if TYPE_CHECKING:
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
     from tui.backend import ChatBackend
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)

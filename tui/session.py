@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ChatSession:
         return system + [dict(t) for t in self.turns]
 
     def params(self) -> "SamplingParams":
-        from macinfer.engine.sampling import SamplingParams  # lazily: it imports MLX
+        from macinfer.core.sampling import SamplingParams  # lazily: it imports MLX
 
         return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed)
 

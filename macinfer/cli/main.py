@@ -151,7 +151,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
     """
-    from macinfer.engine.sampling import SamplingParams
+    from macinfer.core.sampling import SamplingParams
 
     if len(args) > 2:
         raise MacinferError(f"expected [MODEL] PROMPT, got {len(args)} arguments: quote the prompt")

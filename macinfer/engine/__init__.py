@@ -1,1 +1,1 @@
-"""The engine: requests, sequences, the block pool and prefix cache, the scheduler, the model runner, the step loop."""
+"""The engine: the step loop that composes scheduler, model runner and speculator (LLMEngine)."""

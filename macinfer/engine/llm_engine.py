@@ -38,17 +38,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from macinfer.engine.block_pool import BlockPool
+from macinfer.core.block_pool import BlockPool
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
-from macinfer.engine.model_runner import ModelRunner
-from macinfer.engine.outputs import RequestOutput, StreamDelta
+from macinfer.core.model_runner import ModelRunner
+from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
-from macinfer.engine.prefix_cache import prefix_cache_stats, setup_prefix_cache
-from macinfer.engine.sampling import SamplingParams
-from macinfer.engine.scheduler import Scheduler, SchedulerConfig
-from macinfer.engine.sequence import Sequence, SequenceStatus
-from macinfer.spec.decoder import make_spec_decoder
+from macinfer.core.prefix_cache import prefix_cache_stats, setup_prefix_cache
+from macinfer.core.sampling import SamplingParams
+from macinfer.core.scheduler import Scheduler, SchedulerConfig
+from macinfer.core.sequence import Sequence, SequenceStatus
+from macinfer.spec.speculator import make_spec_decoder
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
@@ -94,7 +94,7 @@ class EngineConfig:
         max_model_len: longest sequence; None for the model's context length.
         verbose: print the KV budget and capacity at start-up.
         enable_prefix_cache: reuse the K/V of full blocks shared with earlier
-            prompts (macinfer.engine.prefix_cache); outputs are the same either way.
+            prompts (macinfer.core.prefix_cache); outputs are the same either way.
         persist_prefix_cache: also keep cached blocks on disk for later processes.
         prefix_cache_dir: root of the persistent tier (default $MACINFER_PREFIX_CACHE_DIR
             or cache_dir()/prefix); each model gets a subdirectory named by its identity.

@@ -154,7 +154,7 @@ class InProcessBackend:
         return make_token_prompts(scenario, seed, self.llm.tokenizer)
 
     async def run(self, prompt: list[int], max_tokens: int) -> RequestResult:
-        from macinfer.engine.sampling import SamplingParams
+        from macinfer.core.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()

@@ -27,8 +27,8 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from macinfer.engine.outputs import StreamDelta
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.outputs import StreamDelta
+from macinfer.core.sampling import SamplingParams
 
 log = logging.getLogger("macinfer.serve.server")
 

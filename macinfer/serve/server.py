@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.errors import MacinferError
-from macinfer.engine.sampling import SamplingParams
+from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
 
 log = logging.getLogger("macinfer.serve.server")

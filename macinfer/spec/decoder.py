@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from macinfer.spec.drafter import DraftModelDrafter, Drafter, NgramDrafter
+from macinfer.spec.drafter import Drafter
 from macinfer.errors import MacinferError
 from macinfer.spec.rejection import greedy_verify, rejection_sample
-from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.core.sequence import Sequence, SequenceStatus
 
 
 # -- verification (called by ModelRunner.execute_model) ---------------------------------
@@ -430,63 +430,3 @@ class SpecDecoder:
             del self.acceptance[key]
         self._kinds.pop(request_id, None)
         self.drafter.remove(request_id)
-
-
-# -- building one from a `draft=` option --------------------------------------------------
-def shipped_draft_for(model_name: str | None) -> str | None:
-    """The name of the draft shipped for this model, if any (macinfer.draft_model.SHIPPED_DRAFTS)."""
-    try:
-        from macinfer.spec.draft_model import SHIPPED_DRAFTS
-    except ImportError:
-        return None
-    path = SHIPPED_DRAFTS.get(model_name or "")
-    return model_name if path is not None and path.is_dir() else None
-
-
-def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int, runner=None) -> Drafter:
-    """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter.
-
-    "<model spec>+ngram" drafts by n-gram lookup where the sequence copies itself and with the
-    model elsewhere (drafter.LookupDrafter). A feature draft (macinfer.spec.feature_draft) also needs
-    the target's ModelRunner (`runner`), whose forwards hand it their hidden states.
-    """
-    if isinstance(draft, str) and draft.lower() == "ngram":
-        return NgramDrafter()
-    if isinstance(draft, str) and draft.lower().endswith("+ngram") and draft[: -len("+ngram")]:
-        from macinfer.spec.drafter import LookupDrafter
-
-        return LookupDrafter(make_drafter(draft[: -len("+ngram")], model, tokenizer, num_blocks, block_size, runner))
-    if hasattr(draft, "propose") and hasattr(draft, "available"):
-        return draft  # a Drafter already
-    name = "draft"
-    if isinstance(draft, str) or hasattr(draft, "__fspath__"):
-        try:
-            from macinfer.spec.draft_model import load_draft
-        except ImportError:
-            raise MacinferError("draft models need macinfer.spec.draft_model, which is missing") from None
-        name = str(draft)
-        draft = load_draft(draft, model, tokenizer)
-    from macinfer.spec.feature_draft import FeatureDraft, FeatureDrafter
-
-    if isinstance(draft, FeatureDraft):
-        if runner is None:
-            raise MacinferError("a feature draft needs the target's model runner")
-        return FeatureDrafter(draft, runner, num_blocks, block_size, name=name)
-    return DraftModelDrafter(draft, num_blocks, block_size, name=name)  # an mlx-lm model
-
-
-def make_spec_decoder(config, model, tokenizer, model_name: str | None, num_blocks: int, block_size: int,
-                      block_pool, runner=None) -> SpecDecoder | None:
-    """The engine's SpecDecoder for EngineConfig `config`, or None without a draft.
-
-    draft="auto" means the draft shipped for model_name (SHIPPED_DRAFTS) with n-gram lookup
-    ("<name>+ngram"), or none.
-    """
-    draft = config.draft
-    if isinstance(draft, str) and draft == "auto":
-        draft = shipped_draft_for(model_name)
-        draft = draft and draft + "+ngram"
-    if draft is None:
-        return None
-    drafter = make_drafter(draft, model, tokenizer, num_blocks, block_size, runner)
-    return SpecDecoder(drafter, block_pool, config.num_speculative_tokens, config.adaptive_speculation)

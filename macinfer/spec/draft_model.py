@@ -30,7 +30,10 @@ import json
 from pathlib import Path
 
 from macinfer.errors import MacinferError
+from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
+from macinfer.modelio.loader import load_model
 from macinfer.paths import models_dir
+from macinfer.spec.feature_draft import is_feature_draft, load_feature_draft
 
 _MODELS = models_dir()
 
@@ -38,31 +41,6 @@ _MODELS = models_dir()
 # (macinfer.spec.feature_draft: reads the target's hidden states); "-tokens" is a small token-only
 # model that any speculative decoder (mlx-lm's too) can run.
 SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-eagle", "smollm2-135m-tokens": _MODELS / "smollm2-135m-draft"}
-
-
-def _target_names(target_model) -> tuple:
-    """(embedding module, untied lm_head module or None) of an mlx-lm model."""
-    inner = getattr(target_model, "model", None)
-    if inner is None and hasattr(target_model, "language_model"):
-        target_model = target_model.language_model
-        inner = getattr(target_model, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    if embed is None:
-        raise MacinferError("the target model has no model.embed_tokens: an embedding-less draft cannot attach to it")
-    args = getattr(target_model, "args", None)
-    tied = getattr(args, "tie_word_embeddings", True) if args is not None else not hasattr(target_model, "lm_head")
-    head = None if tied else getattr(target_model, "lm_head", None)
-    return embed, head
-
-
-def _embedding_rows_and_dim(embed) -> tuple[int, int]:
-    w = embed.weight
-    rows = w.shape[0]
-    dim = w.shape[1]
-    bits = getattr(embed, "bits", None)
-    if bits:  # QuantizedEmbedding: packed uint32 columns
-        dim = dim * 32 // bits
-    return rows, dim
 
 
 def _tokenizer_vocab(tokenizer) -> dict:
@@ -104,41 +82,13 @@ def _is_embeddingless(path: Path) -> bool:
     return (cfg.get("macinfer_draft") or {}).get("embedding") == "target"
 
 
-class SubsetHead:
-    """lm_head over a subset of the vocabulary: (..., D) -> full-width (..., V) logits, -inf elsewhere.
-
-    Args:
-        embed: the target's (tied) embedding, Embedding or QuantizedEmbedding.
-        ids: the kept token ids (int32).
-        vocab: the full vocabulary size V.
-    """
-
-    def __init__(self, embed, ids, vocab: int):
-        import mlx.core as mx
-
-        self.ids = ids.astype(mx.int32)
-        self.weight = embed(self.ids)  # (N, D) dequantised rows, a copy: 8,192 rows x 576 = 19 MB in float32
-        self.vocab = vocab
-
-    def __call__(self, h):
-        return self.expand(h @ self.weight.T)
-
-    def expand(self, sub):
-        """(..., N) logits of the kept tokens -> full-width (..., V), -inf elsewhere."""
-        import mlx.core as mx
-
-        full = mx.full((*sub.shape[:-1], self.vocab), -mx.inf, dtype=sub.dtype)
-        full[..., self.ids] = sub
-        return full
-
-
 def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: bool | None = None):
     import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_load_model
 
     cfg = json.loads((path / "config.json").read_text())
-    embed, head = _target_names(target_model)
-    rows, dim = _embedding_rows_and_dim(embed)
+    embed, head = embedding_and_head(target_model)
+    rows, dim = embedding_rows_and_dim(embed)
     vocab = cfg.get("vocab_size")
     name = path.name
     if vocab != rows:
@@ -260,14 +210,10 @@ def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool
     import mlx.core as mx
 
     path = _resolve(spec_or_path)
-    from macinfer.spec.feature_draft import is_feature_draft, load_feature_draft
-
     if path is not None and is_feature_draft(path):
         return load_feature_draft(path, target_model)
     if path is not None and _is_embeddingless(path):
         return _load_embeddingless(path, target_model, target_tokenizer, dequantize)
-
-    from macinfer.modelio.loader import load_model
 
     if dequantize is None:
         dequantize = not mx.metal.is_available()

@@ -41,8 +41,11 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from macinfer.engine.block_pool import BlockPool
-from macinfer.engine.sequence import Sequence
+from macinfer.core.block_pool import BlockPool
+from macinfer.core.model_runner import ModelRunner
+from macinfer.core.scheduler import ScheduledSequence
+from macinfer.core.sequence import Sequence
+from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
 
 
 class Drafter(Protocol):
@@ -254,9 +257,6 @@ class DraftModelDrafter:
     has_model = True
 
     def __init__(self, model, num_blocks: int, block_size: int, name: str = "draft"):
-        from macinfer.engine.model_runner import ModelRunner
-        from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
-
         self.name = name
         self.model = model
         self.pool = BlockPool(num_blocks, block_size)
@@ -291,8 +291,6 @@ class DraftModelDrafter:
         return st
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
-        from macinfer.engine.scheduler import ScheduledSequence
-
         rows = []  # (seq, draft view, k)
         for seq, k in zip(seqs, num_draft):
             seq.spec_token_ids, seq.spec_probs = [], None

@@ -38,10 +38,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.engine.block_pool import BlockPool
+from macinfer.core.block_pool import BlockPool
+from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
+from macinfer.core.model_runner import ModelRunner
+from macinfer.kv.paged_cache import inspect_model
 from macinfer.spec.drafter import STEADY_TOKENS, pick_kept
 from macinfer.errors import MacinferError
-from macinfer.engine.sequence import Sequence
+from macinfer.core.sequence import Sequence
 
 
 class FeatureDraft(nn.Module):
@@ -99,15 +102,13 @@ def load_feature_draft(path: Path, target_model) -> FeatureDraft:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from macinfer.spec.draft_model import SubsetHead, _embedding_rows_and_dim, _target_names
-
     path = Path(path)
     if not is_feature_draft(path):
         raise MacinferError(f"{path} is not a feature draft (a directory whose config.json has "
                             "macinfer_draft.kind = \"feature\")")
     cfg = json.loads((path / "config.json").read_text())
-    embed, head = _target_names(target_model)
-    rows, dim = _embedding_rows_and_dim(embed)
+    embed, head = embedding_and_head(target_model)
+    rows, dim = embedding_rows_and_dim(embed)
     if cfg.get("vocab_size") != rows or cfg.get("hidden_size") != dim:
         raise MacinferError(
             f"draft {path.name} is for a {cfg.get('vocab_size')}-token, {cfg.get('hidden_size')}-wide model "
@@ -145,30 +146,6 @@ def load_feature_draft(path: Path, target_model) -> FeatureDraft:
     return draft
 
 
-def split_head(model):
-    """(body, head) of an mlx-lm model such that head(body(x, cache)) == model(x, cache).
-
-    Checked numerically on a 3-token input, so a model whose __call__ does more than
-    body-then-head (logit scaling, soft-capping) is refused rather than drafted for wrongly.
-    """
-    from macinfer.spec.draft_model import _target_names
-
-    inner = getattr(model, "model", None)
-    if inner is None:
-        raise MacinferError("feature drafts need an mlx-lm model with a .model body")
-    embed, untied = _target_names(model)  # the same tied/untied rule the draft loader applies
-    head = untied if untied is not None else embed.as_linear
-    x = mx.array([[1, 2, 3]])
-    try:
-        same = mx.allclose(model(x), head(inner(x)), atol=1e-4, rtol=1e-4).item()
-    except Exception:  # noqa: BLE001 - a body that is not (tokens, cache) -> hidden states
-        same = False
-    if not same:
-        raise MacinferError(f"{type(model).__module__}: its logits are not lm_head(final hidden state), "
-                            "so a feature draft cannot read its hidden states")
-    return inner, head
-
-
 class _FeatState:
     """The draft's view of one request: its paged KV rows map to target positions base, base+1, ..."""
 
@@ -200,9 +177,6 @@ class FeatureDrafter:
     min_joint = 0.25
 
     def __init__(self, draft: FeatureDraft, target_runner, num_blocks: int, block_size: int, name: str = "feature draft"):
-        from macinfer.engine.model_runner import ModelRunner
-        from macinfer.kv.paged_cache import inspect_model
-
         self.name = name
         self.draft = draft
         self.pool = BlockPool(num_blocks, block_size)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from macinfer.engine.block_pool import BlockPool
-from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.core.block_pool import BlockPool
+from macinfer.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

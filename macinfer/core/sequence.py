@@ -20,8 +20,8 @@ import enum
 import itertools
 from typing import Any
 
-from macinfer.engine.metrics import RequestMetrics
-from macinfer.engine.sampling import Sampler, SamplingParams
+from macinfer.core.metrics import RequestMetrics
+from macinfer.core.sampling import Sampler, SamplingParams
 
 
 class SequenceStatus(enum.Enum):

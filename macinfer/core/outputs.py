@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from macinfer.engine.metrics import RequestMetrics
+from macinfer.core.metrics import RequestMetrics
 
 
 @dataclass

@@ -25,7 +25,8 @@ import mlx.nn as nn
 
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
 from macinfer.kv.rope import install_shared_rope
-from macinfer.engine.scheduler import ScheduledSequence
+from macinfer.core.lm_head import split_head
+from macinfer.core.scheduler import ScheduledSequence
 
 
 class ModelRunner:
@@ -60,11 +61,12 @@ class ModelRunner:
         self.hidden_sink = None
         self._body = self._head = None
         self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
+        # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
+        # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
+        self.verifier = None
 
     def set_hidden_sink(self, sink) -> None:
         """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
-        from macinfer.spec.feature_draft import split_head
-
         self._body, self._head = split_head(self.model)
         self.hidden_sink = sink
 
@@ -192,7 +194,7 @@ class ModelRunner:
     def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
         """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
 
-        A forward holding drafted tokens is verified as a whole (spec_decode.verify_rows):
+        A forward holding drafted tokens is verified as a whole (self.verifier, spec.decoder.verify_rows):
         each of its sampling rows gets a list, the accepted drafts then the target's token.
         """
         pending: list[tuple[list[int], mx.array]] = []  # (row indices, sampled ids)
@@ -200,9 +202,7 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                from macinfer.spec.decoder import verify_rows
-
-                verified += verify_rows(group, rows, self._forward(rows, all_logits=True))
+                verified += self.verifier(group, rows, self._forward(rows, all_logits=True))
                 mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
                 continue
             logits = self._forward(rows)  # (B, V)

@@ -9,7 +9,7 @@ before it (through its parent's hash), its own token ids, and the model. So
 Two requests share block i exactly when they agree on every token up to the end
 of block i *and* run the same model, which is when the K/V are bit-for-bit the
 same. The hashes are SHA-256 (stable across processes, so the persistent tier in
-`macinfer.engine.kv_store` can key files by them; Python's `hash()` is salted per run).
+`macinfer.core.kv_store` can key files by them; Python's `hash()` is salted per run).
 
 The model identity covers what changes K/V: config, weights (their files, and a
 sample of every parameter so adapters and in-memory edits count), parameter
@@ -138,7 +138,7 @@ def setup_prefix_cache(engine, config) -> str | None:
     if config.persist_prefix_cache and not getattr(config, "kv_bits", None):
         from macinfer.paths import cache_dir
         from macinfer.engine.llm_engine import parse_memory
-        from macinfer.engine.kv_store import DiskPrefixStore
+        from macinfer.core.kv_store import DiskPrefixStore
 
         root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
         root = root.expanduser()
