@@ -69,13 +69,15 @@ class ForwardContext:
     # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
     attention_fn: object = None
 
-    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo) -> mx.array:
+    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
+               softcap=None) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
+        extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
         if self.attention_fn is not None:
             return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
-                                     block_size=block_size, scale=scale, window=window, sinks=sinks)
+                                     block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
         return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
-                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo)
+                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo, **extra)
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
@@ -183,12 +185,12 @@ class PagedKVCache:
             )
         return PagedMask(window_size)
 
-    def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
+    def attention(self, queries: mx.array, mask, scale: float, sinks=None, softcap=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
                                block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
-                               memo=self.ctx.memo)
+                               memo=self.ctx.memo, softcap=softcap)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property
@@ -228,6 +230,9 @@ def install_attention_patch(model: nn.Module) -> int:
     """
     from mlx_lm.models import base
 
+    from macinfer.kv.attention_variants import install_attention_variants
+
+    install_attention_variants(model)  # families that attend their own way (gemma2, KV sharing)
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
     patched = 0
     for name in names:
@@ -286,5 +291,9 @@ def supports_batched_offsets(model: nn.Module) -> bool:
     """Whether every RoPE in the model accepts a per-row (B,) offset array."""
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
-    # Dynamic NTK scaling computes its base from a Python max over the offset.
-    return not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
+    from macinfer.kv.attention_variants import batched_offsets_work
+
+    # Dynamic NTK scaling computes its base from a Python max over the offset; others (gpt_bigcode's
+    # position ids) make a Python int of it, which a lazy two-row forward finds out.
+    return (not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
+            and batched_offsets_work(model))
