@@ -5,8 +5,9 @@ weights, the tiny tokenizer of tests/tiny.py) and loaded by mlx_lm.load. The eng
 four staggered prompts with chunked prefill (and once more through a pool small enough to
 preempt); every token must be what mlx-lm's own generate_step gives for that prompt alone.
 
-The gemma3n configuration is adapted from mlx-lm's tests/test_models.py,
-Copyright © 2023-2024 Apple Inc., MIT License; the others are sized alike.
+The gemma3n, deepseek_v3 (also kimi_k25's text model) and glm4_moe_lite configurations are
+adapted from mlx-lm's tests/test_models.py, Copyright © 2023-2024 Apple Inc., MIT License;
+the others are sized alike.
 """
 
 from __future__ import annotations
@@ -57,10 +58,31 @@ GPT_BIGCODE = {
     "model_type": "gpt_bigcode", "n_embd": 64, "n_layer": 2, "n_inner": 128, "n_head": 4, "n_positions": 512,
     "layer_norm_epsilon": 1e-5,
 }
+# MLA (multi-head latent attention), the next two adapted from mlx-lm's tests/test_models.py.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
+    "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 4,
+    "q_lora_rank": 4, "qk_rope_head_dim": 32, "v_head_dim": 16, "qk_nope_head_dim": 32,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+GLM4_MOE_LITE = {
+    "model_type": "glm4_moe_lite", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": 8,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+    "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 256, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000.0, "attention_bias": False, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+}
+KIMI_K25 = {"model_type": "kimi_k25", "text_config": dict(DEEPSEEK_V3)}
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
-            "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0)}
+            "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
+            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -157,6 +179,18 @@ def test_kv_sharing_pages_once(family, name):
     assert view.nbytes == 0 and view.state == [] and view.window is None
     k = mx.ones((1, 2, 1, specs[1].k_head_dim))
     assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_mla_pages_the_compressed_latent(family, name):
+    model, tok = family(name)
+    cfg = FAMILIES[name][0]
+    specs = inspect_model(model, name)
+    # One "KV head" per token: the latent (kv_lora_rank) and the rope key, not n_heads expanded K/V.
+    assert {(s.n_kv_heads, s.k_head_dim, s.v_head_dim) for s in specs} == {
+        (1, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])}
+    expanded = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"])
+    assert specs[0].bytes_per_token() == 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) < 4 * expanded
 
 
 def test_gpt_bigcode_runs_one_row_per_forward(family):

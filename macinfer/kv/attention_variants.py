@@ -23,8 +23,18 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
+- deepseek_v3, kimi_k25, glm4_moe_lite (MLA): mlx-lm already caches the compressed latent
+  (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values per token) and expands or absorbs it
+  inside attention, asking its cache for the whole context back and for a mask array. The pools
+  page exactly that latent (one "KV head": K = latent, V = rope key); the layer is handed a
+  `_LatentContext` whose update_and_fetch writes the pools and returns the dense context of
+  this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
+  padding, so mlx-lm's own MLA code and sdpa run unchanged on it. (A gather per layer, like
+  the reference paged attention's; the fused kernel does not cover MLA.)
+
 While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's attention is
-kept out of the count (it adds no cache), and gemma2's goes through the probe's sdpa hook.
+kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
+MLA layer reports the latent's shapes (what it pages) instead of the expanded K/V it attends.
 
 `batched_offsets_work(model)` answers the other question the engine asks of a model: can it
 take one rope offset per row? gpt_bigcode builds its position ids with
@@ -155,14 +165,119 @@ class _Gemma4Attention:
         return out, kvs, offset
 
 
+class _LatentContext:
+    """What an MLA layer's attention sees of a paged cache: the pools' latent context, dense.
+
+    Not a PagedKVCache, so the model's sdpa call goes to mlx-lm's own (with the K/V it built
+    from what update_and_fetch returned): exactly the ops mlx-lm runs on its KVCache.
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, latent, k_pe):
+        self.cache.update_and_fetch(latent, k_pe)  # pages the compressed latent and the rope key
+        return dense_context(self.cache)
+
+    def mask(self, L: int):
+        """mlx-lm's mask for this forward as a boolean array (None for one row of one token)."""
+        ctx, memo = self.cache.ctx, self.cache.ctx.memo
+        key = ("latent_mask", L)
+        if key not in memo:
+            lens = ctx.context_lens
+            if len(lens) == 1:
+                from mlx_lm.models.base import create_causal_mask
+
+                memo[key] = None if L == 1 else create_causal_mask(L, offset=lens[0] - L)
+            else:  # rows padded to the longest table: hide other rows' padding too
+                S = dense_context(self.cache)[0].shape[2]
+                pos = mx.array(lens, dtype=mx.int32)[:, None, None] - L + mx.arange(L, dtype=mx.int32)[None, :, None]
+                memo[key] = (mx.arange(S, dtype=mx.int32)[None, None] <= pos)[:, None]  # (B, 1, L, S)
+        return memo[key]
+
+
+def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
+    """This forward's context of every row from a cache's pools: (B, n_kv_heads, S, D) K and V.
+
+    One row reads exactly its C slots (one slice when its blocks are a contiguous run), as
+    mlx-lm's KVCache returns them; a batch gathers every row's padded block table.
+    """
+    from macinfer.kv.paged_attention import block_slots
+
+    if cache.window is not None:
+        raise NotImplementedError("a dense context of a sliding-window layer")
+    ctx, bs = cache.ctx, cache.block_size
+    if hasattr(cache, "_compact"):  # quantised pools: the referenced blocks, dequantised
+        k_pool, v_pool, tables = cache._compact()
+    else:
+        k_pool, v_pool, tables = cache.k_pool, cache.v_pool, ctx.block_tables
+    lens = ctx.context_lens
+    if len(lens) == 1:
+        blocks = list(tables[0][: -(-lens[0] // bs)])
+        if all(b == blocks[0] + i for i, b in enumerate(blocks)):
+            s0 = blocks[0] * bs
+            return k_pool[None, :, s0: s0 + lens[0]], v_pool[None, :, s0: s0 + lens[0]]
+        ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
+        return k_pool[:, ids][None], v_pool[:, ids][None]
+    key = ("dense_slots", id(tables))
+    if key not in ctx.memo:
+        MB = max(-(-c // bs) for c in lens)
+        padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
+        ctx.memo[key] = (block_slots(padded, bs), tables)  # tables kept alive: its id is the key
+    slots = ctx.memo[key][0]
+    return k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
+
+
+class _ShapeRecorder:
+    """inspect_model's probe of an MLA layer: what it pages is what update_and_fetch gets."""
+
+    def __init__(self, cache):
+        self.cache, self.shapes = cache, None
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, keys, values):
+        self.shapes = (keys.shape, values.shape, keys.dtype)
+        return self.cache.update_and_fetch(keys, values)
+
+
+class _LatentAttention:
+    """MLA attention (deepseek_v3, kimi_k25, glm4_moe_lite): the paged pools hold the compressed latent.
+
+    mlx-lm's MLA layers already cache (kv_latent, k_pe), kv_lora_rank + qk_rope_head_dim values
+    per token, and expand or absorb them in attention: so a layer pages exactly those, in one
+    "KV head" (K = latent, V = rope key), and runs mlx-lm's own code over the dense context.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        if isinstance(cache, PagedKVCache):
+            context = _LatentContext(cache)
+            return super().__call__(x, context.mask(x.shape[1]), context)
+        if _probing() and cache is not None:
+            calls, rec = _pc._probe_calls, _ShapeRecorder(cache)
+            with _unprobed():
+                out = super().__call__(x, mask, rec)
+            calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
+            return out
+        return super().__call__(x, mask, cache)
+
+
 # mlx-lm module -> {attention class name: mixin}
 _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
     "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
+    "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
+    "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
-_MASK_MODULES = ("mlx_lm.models.gemma2",)
+_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
 _subclasses: dict[type, type] = {}
 
 

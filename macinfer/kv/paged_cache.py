@@ -22,8 +22,9 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
 layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (state-space
-layers, chunked attention, KV sharing), and models that compute attention without
-going through `scaled_dot_product_attention` (e.g. logit soft-capping). Sliding
+layers, chunked attention), and models that compute attention without going through
+`scaled_dot_product_attention`, except the families `macinfer.kv.attention_variants`
+routes itself (gemma2's soft-capping, gemma3n/gemma4 KV sharing, MLA's latent). Sliding
 window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
 and masked in attention; their pools hold every token (simple, correct; freeing
 blocks that slid out of the window is future work).
