@@ -158,6 +158,20 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
     assert got == want
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3"])
+def test_prefix_cache_hit_matches_mlx_lm(family, name):
+    """A later prompt sharing 30 tokens starts from cached blocks (shared views and latents read them)."""
+    model, tok = family(name)
+    p = prompts_for(name)[3]
+    q = p[:30] + [7, 8, 9]
+    engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                       enable_prefix_cache=True, persist_prefix_cache=False)
+    results = run(engine, [(0, p, SamplingParams(max_tokens=12, ignore_eos=True), "a"),
+                           (30, q, SamplingParams(max_tokens=12, ignore_eos=True), "b")])
+    assert results["b"][0].metrics.cached_tokens == 28
+    assert [results[k][0].token_ids for k in "ab"] == [oracle(model, x, 12)[0] for x in (p, q)]
+
+
 def test_gemma2_softcap_is_what_decides(family):
     """Without soft-capping (a cap too large to bite) the same weights decode differently."""
     model, _ = family("gemma2")
@@ -193,11 +207,27 @@ def test_mla_pages_the_compressed_latent(family, name):
     assert specs[0].bytes_per_token() == 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) < 4 * expanded
 
 
-def test_gpt_bigcode_runs_one_row_per_forward(family):
-    model, _ = family("gpt_bigcode")
+def test_gpt_bigcode_batches_with_row_positions(family):
+    model, tok = family("gpt_bigcode")
+    assert supports_batched_offsets(model)
+    assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
+
+
+def test_int_offset_model_falls_back_to_one_row_per_forward(family, monkeypatch):
+    """The issue as reported: gpt_bigcode left alone makes a Python int of a (B,) offset array.
+
+    The lazy probe finds out and the engine then runs every row in its own forward, still
+    token for token mlx-lm's output.
+    """
+    import macinfer.kv.attention_variants as av
+
+    monkeypatch.setattr(av, "_VARIANTS", {k: v for k, v in av._VARIANTS.items() if "gpt_bigcode" not in k})
+    model, tok = family("gpt_bigcode", layer_norm_epsilon=1e-6)  # a fresh model object, never retyped
     assert not batched_offsets_work(model) and not supports_batched_offsets(model)
-    gemma4, _ = family("gemma4_text")  # per-row rope offsets (a (B,) array) are fine there
-    assert supports_batched_offsets(gemma4)
+    prompts = prompts_for("gpt_bigcode")
+    engine, got = serve(model, tok, prompts, num_blocks=80)
+    assert not engine.runner.batch_decode
+    assert got == [oracle(model, p, 16)[0] for p in prompts]
 
 
 # ---------------------------------------------------------------- soft-capping in the attention paths

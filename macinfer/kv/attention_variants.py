@@ -36,10 +36,13 @@ While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's a
 kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
 MLA layer reports the latent's shapes (what it pages) instead of the expanded K/V it attends.
 
+- gpt_bigcode builds its learned position ids with np.arange(cache.offset, ...), a Python int:
+  its model body is subclassed to take one position per row from a (B,) offset array.
+
 `batched_offsets_work(model)` answers the other question the engine asks of a model: can it
-take one rope offset per row? gpt_bigcode builds its position ids with
-np.arange(cache.offset, ...), a Python int: a lazy probe with (B,) offsets finds that out, and
-the engine then runs one row per forward (a correct, slower fallback).
+take one offset per row? A lazy forward with (B,) offsets finds out; a model that makes a
+Python int of cache.offset (as gpt_bigcode would without the above) fails it, and the engine
+then runs one row per forward (a correct, slower fallback).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.kv import paged_cache as _pc
-from macinfer.kv.paged_cache import PagedKVCache, PagedMask
+from macinfer.kv.paged_cache import PagedKVCache
 
 
 # -- the cache view of a KV-sharing layer ------------------------------------------------------------
@@ -268,6 +271,29 @@ class _LatentAttention:
         return super().__call__(x, mask, cache)
 
 
+class _GPTBigCodeModel:
+    """GPTBigCodeModel with one position per row when the offsets are a (B,) array (a batched forward).
+
+    mlx-lm builds the learned position ids as np.arange(cache[0].offset, cache[0].offset + L),
+    which needs an int; with per-row offsets this body does the same with row positions
+    offsets[:, None] + arange(L) (the layers themselves never read the offset: no rope).
+    """
+
+    def __call__(self, inputs, cache=None):
+        offsets = cache[0].offset if cache is not None else 0
+        if not (isinstance(offsets, mx.array) and offsets.ndim == 1):
+            return super().__call__(inputs, cache)
+        from mlx_lm.models.base import create_attention_mask
+
+        B, L = inputs.shape
+        hidden_states = self.wte(inputs)
+        mask = create_attention_mask(hidden_states, cache[0])
+        hidden_states += self.wpe(offsets[:, None] + mx.arange(L))  # (B, L) positions
+        for layer, c in zip(self.h, cache):
+            hidden_states = layer(hidden_states, mask, cache=c)
+        return self.ln_f(hidden_states)
+
+
 # mlx-lm module -> {attention class name: mixin}
 _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
@@ -275,6 +301,7 @@ _VARIANTS = {
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
+    "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
 _MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
