@@ -61,7 +61,7 @@ GPT_BIGCODE = {
 # MLA (multi-head latent attention), the next two adapted from mlx-lm's tests/test_models.py.
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
     "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 4,
     "q_lora_rank": 4, "qk_rope_head_dim": 32, "v_head_dim": 16, "qk_nope_head_dim": 32,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -69,7 +69,7 @@ DEEPSEEK_V3 = {
 }
 GLM4_MOE_LITE = {
     "model_type": "glm4_moe_lite", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
     "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": 8,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "topk_method": "noaux_tc",
     "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
@@ -78,11 +78,22 @@ GLM4_MOE_LITE = {
     "num_nextn_predict_layers": 1,
 }
 KIMI_K25 = {"model_type": "kimi_k25", "text_config": dict(DEEPSEEK_V3)}
+MISTRAL4 = {  # llama-4 query scaling from position 16 on, so per-row positions matter there too
+    "model_type": "mistral4", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "norm_topk_prob": True, "max_position_embeddings": 128, "rms_norm_eps": 1e-05, "topk_group": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                        "original_max_position_embeddings": 16},
+}
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
-            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0)}
+            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
+            "mistral4": (MISTRAL4, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -195,7 +206,7 @@ def test_kv_sharing_pages_once(family, name):
     assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite", "mistral4"])
 def test_mla_pages_the_compressed_latent(family, name):
     model, tok = family(name)
     cfg = FAMILIES[name][0]
