@@ -15,7 +15,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from macinfer.engine.llm_engine import LLMEngine, parse_memory
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.units import parse_bytes
 from macinfer.errors import MacinferError
 from macinfer.kv.paged_cache import inspect_model
 from macinfer.core.sampling import SamplingParams
@@ -181,14 +182,16 @@ def test_request_errors_and_capacity(load):
     r = run(engine, [(0, [3] * 14, SamplingParams(max_tokens=10, ignore_eos=True), "big")])["big"][0]
     assert r.finish_reason == "length" and len(r.token_ids) == 3  # 14 + 2 tokens in KV, a 3rd sampled
     assert_all_free(engine)
-    assert parse_memory("2GB") == 2 << 30 and parse_memory("512 MiB") == 512 << 20
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("512 MiB") == 512 << 20
     with pytest.raises(MacinferError):
-        parse_memory("lots")
+        parse_bytes("lots")
 
 
 def test_kv_budget_and_describe(load):
     model, tok = load("llama")
-    engine = LLMEngine(model, tok, None, kv_memory="64KB", block_size=16, max_model_len=512)
+    engine = LLMEngine(model, tok, None, kv_memory="64KiB", block_size=16, max_model_len=512)
+    # "64KB" is 64,000 bytes (macinfer.units): a block fewer.
+    assert LLMEngine(model, tok, None, kv_memory="64KB", block_size=16, max_model_len=512).block_pool.num_usable_blocks == 6
     # 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes = 512 B/token -> 8 KiB/block.
     assert engine.bytes_per_token == 512 and engine.block_pool.num_usable_blocks == 7  # + the null block
     assert engine.runner.kv_bytes == 64 << 10

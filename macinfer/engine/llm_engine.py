@@ -22,7 +22,7 @@ its blocks are freed as usual). Anything else (admitting a request, a prefill
 chunk, drafts, too few free blocks) first reads back the step in flight, then runs
 a plain synchronous step.
 
-KV budget: `kv_memory` (bytes or "2GB"; binary units) sets the pool size. By
+KV budget: `kv_memory` (bytes, or "2GB" = 2e9 / "2GiB" = 2**30: macinfer.units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
@@ -30,7 +30,6 @@ of full context length could use. `describe()` reports the resulting capacity.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import uuid
@@ -40,38 +39,16 @@ import mlx.core as mx
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.errors import MacinferError
-from macinfer.units import fmt_bytes
+from macinfer.units import fmt_bytes, parse_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
-from macinfer.core.prefix_cache import prefix_cache_stats, setup_prefix_cache
+from macinfer.core.prefix_cache import prefix_cache_stats
+from macinfer.engine.config import EngineConfig, default_kv_memory, setup_prefix_cache
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.spec.speculator import make_spec_decoder
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
-
-
-def parse_memory(value: int | float | str) -> int:
-    """'2GB' / '512MiB' / '1.5g' / 1000000 -> bytes (binary units: 1GB = 2**30).
-
-    Example:
-        >>> parse_memory("2GB")
-        2147483648
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        n = int(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise MacinferError(f"cannot read '{value}' as a memory size: write e.g. 2GB, 512MB or a byte count")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise MacinferError(f"the KV memory budget must be positive, got {value}")
-    return n
-
 
 @dataclass
 class _InFlight:
@@ -79,87 +56,6 @@ class _InFlight:
 
     seqs: list[Sequence]
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
-
-
-@dataclass
-class EngineConfig:
-    """Engine options (what `LLM(model, **engine_options)` and the CLI pass).
-
-    Args:
-        kv_memory: KV pool budget, bytes or a string like "2GB"; None for the default.
-        num_blocks: exact pool size in blocks (overrides kv_memory; tests, benchmarks).
-        block_size: token slots per KV block.
-        max_num_seqs: sequences decoding at once.
-        max_num_batched_tokens: tokens per step (prefill chunk size + decodes).
-        max_model_len: longest sequence; None for the model's context length.
-        verbose: print the KV budget and capacity at start-up.
-        enable_prefix_cache: reuse the K/V of full blocks shared with earlier
-            prompts (macinfer.core.prefix_cache); outputs are the same either way.
-        persist_prefix_cache: also keep cached blocks on disk for later processes.
-        prefix_cache_dir: root of the persistent tier (default $MACINFER_PREFIX_CACHE_DIR
-            or cache_dir()/prefix); each model gets a subdirectory named by its identity.
-        prefix_cache_disk_bytes: size limit of the persistent tier (all models together).
-        draft: speculative decoding (macinfer.spec.decoder): "ngram" (prompt lookup), a
-            draft model (shipped draft name, path, catalog name, repo id, or a loaded
-            mlx-lm model sharing the tokenizer), "<draft model>+ngram" (lookup where the
-            text repeats itself, the model elsewhere), "auto" (the draft shipped for this
-            model, if any, with lookup), or None for none.
-        num_speculative_tokens: the most tokens drafted per sequence per step.
-        adaptive_speculation: pick k each step from measured acceptance and costs
-            (False: always draft num_speculative_tokens).
-        kv_bits: store K/V quantised to 8 (or 4) bits in the paged pool
-            (macinfer.kv.quant); None keeps the activation dtype.
-        kv_group_size: quantisation group along head_dim (default 32).
-        attention: "auto" (the fused Metal kernel if it passes its start-up check
-            against the reference, else the reference), "metal" or "reference".
-        async_scheduling: overlap building each decode step with the previous
-            step's compute (module docstring); outputs are the same either way.
-    """
-
-    kv_memory: int | str | None = None
-    num_blocks: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    verbose: bool = False
-    enable_prefix_cache: bool = True
-    persist_prefix_cache: bool = False
-    prefix_cache_dir: str | None = None
-    prefix_cache_disk_bytes: int | str = "2GB"
-    draft: object = None
-    num_speculative_tokens: int = 12  # a ceiling: adaptive k goes this high on long copies (lookup)
-    adaptive_speculation: bool = True
-    kv_bits: int | None = None
-    kv_group_size: int | None = None
-    attention: str = "auto"
-    async_scheduling: bool = True
-
-    def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
-            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
-        if self.max_num_batched_tokens is None:
-            # A chunk's forward blocks every decode of that step: keep it short where
-            # prefill is slow (CPU, ~50 tok/s on a 135M model) and longer on Metal.
-            self.max_num_batched_tokens = max(512 if mx.metal.is_available() else 128, self.max_num_seqs)
-
-
-def default_kv_memory(weight_bytes: int) -> int:
-    """The KV budget when none is given (see module docstring)."""
-    if mx.metal.is_available():
-        try:
-            info = mx.device_info()
-        except AttributeError:
-            info = mx.metal.device_info()
-        working_set = int(info.get("max_recommended_working_set_size", 0))
-        if working_set:
-            margin = max(1 << 30, working_set // 10)  # activations, other apps
-            return max(256 << 20, working_set - weight_bytes - margin)
-    return 1 << 30
 
 
 class LLMEngine:
@@ -196,7 +92,7 @@ class LLMEngine:
             num_blocks = config.num_blocks
             self.kv_budget = num_blocks * self.bytes_per_block
         else:
-            self.kv_budget = (parse_memory(config.kv_memory) if config.kv_memory is not None
+            self.kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
                               else default_kv_memory(weight_bytes))
             # The null block counts against the budget; no point holding more than
             # max_num_seqs full-length sequences could fill.

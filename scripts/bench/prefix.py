@@ -15,9 +15,9 @@ dequantised to float32 with OpenBLAS (the fast configuration on a CPU host);
      trimmed to the common prefix, as mlx_lm.server does).
 
 Usage:
-    python scripts/bench_prefix.py                    # ~10-20 min on 2 shared cores
-    python scripts/bench_prefix.py --tiny             # seconds
-    python scripts/bench_prefix.py --system-tokens 1000 --turns 6
+    python scripts/bench/prefix.py                    # ~10-20 min on 2 shared cores
+    python scripts/bench/prefix.py --tiny             # seconds
+    python scripts/bench/prefix.py --system-tokens 1000 --turns 6
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -13,9 +13,9 @@ sides interleaved (the dev machines are shared and noisy; PLATFORM.md):
   4. Python overhead per engine step at batch 32 with a stub model runner.
 
 Usage:
-    python scripts/bench_engine.py                 # everything (~5-10 min on 2 cores)
-    python scripts/bench_engine.py --quick         # tiny model only
-    python scripts/bench_engine.py --concurrency 1,4 --tokens 16
+    python scripts/bench/engine.py                 # everything (~5-10 min on 2 cores)
+    python scripts/bench/engine.py --quick         # tiny model only
+    python scripts/bench/engine.py --concurrency 1,4 --tokens 16
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
