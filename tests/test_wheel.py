@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -21,8 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_wheel_runs_draft_auto_in_a_fresh_venv(tmp_path):
     # 1. Build the wheel (isolated build: setuptools from the package index, as any user gets it).
+    # From a copy: setuptools writes build/ and *.egg-info into the tree it builds.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
-                            str(ROOT)], capture_output=True, text=True)
+                            str(src)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next((tmp_path / "dist").glob("macinfer-*.whl"))
     # 2. A fresh venv that sees the installed dependencies but not this checkout.
