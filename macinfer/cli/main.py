@@ -172,7 +172,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     if draft and no_draft:
         raise MacinferError("--draft and --no-draft contradict each other: pick one")
     # NOTE: no draft unless asked: `macinfer run` loads the 4-bit model, whose verify pass costs
-    # ~k single-token steps on a CPU host (PLATFORM.md), and the shipped SmolLM2 draft agrees with
+    # ~k single-token steps on a CPU host (docs/platform.md), and the shipped SmolLM2 draft agrees with
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft

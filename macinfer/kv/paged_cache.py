@@ -1,6 +1,6 @@
 """The adapter that lets mlx-lm's model classes run on the paged KV cache.
 
-mlx-lm attention does, per layer (PLATFORM.md):
+mlx-lm attention does, per layer (docs/platform.md):
 
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)

@@ -11,7 +11,7 @@ Design choices:
   - Quality is computed with the quantised weights dequantised to float: the same
     values, up to float rounding. On hosts without Metal, quantised matmul costs
     time per row and a 1,000-token pass takes minutes; dequantised float32 with
-    OpenBLAS takes seconds (PLATFORM.md). Speed is measured on the model as loaded.
+    OpenBLAS takes seconds (docs/platform.md). Speed is measured on the model as loaded.
   - Decode speed is mlx-lm's generate_step, greedy, after a short prompt: the time
     from the first generated token to the last.
   - The default text, models/eval.txt, is plain English written for this project

@@ -1,6 +1,6 @@
 """Benchmark the prefix cache: TTFT with a shared prefix, warm vs cold, against mlx-lm's prompt cache.
 
-Every figure is a ratio to a baseline measured in the same run (PLATFORM.md: the
+Every figure is a ratio to a baseline measured in the same run (docs/platform.md: the
 dev machines are shared and noisy). The model is the embedded SmolLM2-135M
 dequantised to float32 with OpenBLAS (the fast configuration on a CPU host);
 `--tiny` uses a tiny random model instead (fast, for checking the script).

@@ -2,7 +2,7 @@
 
 The embedded SmolLM2-135M with float32 weights (on the CPU backend a quantised
 verify of k tokens costs ~k single-token steps; float32 + OpenBLAS is nearly
-flat in tokens, like Metal: PLATFORM.md). Every figure is a ratio to plain
+flat in tokens, like Metal: docs/platform.md). Every figure is a ratio to plain
 decoding measured in the same run, the configurations interleaved per prompt:
 
   1. single stream, greedy: chat prompts, a code-editing prompt that repeats
