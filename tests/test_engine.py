@@ -155,6 +155,12 @@ def test_stop_token_ids_and_stop_strings(load):
     out = outputs["s"]
     assert out.text == text[: text.find(stop)] and out.finish_reason == "stop"
     assert streamed_text == out.text  # held-back text never leaked the stop string
+    # An empty stop string stops nothing and holds nothing back (it made the hold -1: lost text).
+    streamed = ""
+    engine.add_request(prompt, SamplingParams(max_tokens=30, stop=[""], ignore_eos=True), request_id="e")
+    while engine.has_unfinished():
+        streamed += "".join(d.text for d in engine.step())
+    assert streamed == text
     assert_all_free(engine)
 
 

@@ -142,6 +142,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "temperature": "hot"}, 400, "temperature"),
     ({**CHAT, "top_p": 1.5}, 400, "top_p"),
     ({**CHAT, "top_k": -1}, 400, "top_k"),
+    ({**CHAT, "seed": 2**64}, 400, "seed"),
     ({**CHAT, "n": 3}, 400, "n"),
     ({**CHAT, "logprobs": True}, 400, "logprobs"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -107,7 +107,7 @@ def stats_line(s: dict) -> str:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling threshold in (0, 1].")
 @click.option("--top-k", default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
 @click.option("--min-p", default=0.0, show_default=True, help="Drop tokens below min-p x p(top token) (0: off).")
-@click.option("--seed", type=int, help="Random seed for reproducible sampling.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
