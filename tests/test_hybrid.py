@@ -190,12 +190,62 @@ def test_budget_describe_and_stats(hybrid):
     assert [e[0] for e in falcon.layout] == ["list", "list"] and len(falcon) == 2
 
 
-@pytest.mark.parametrize("draft", ["ngram", "auto"])
-def test_drafting_is_refused(hybrid, draft):
+class ScriptedDrafter:
+    """Drafts mlx-lm's own continuation with the first e of k drafts right and the rest wrong, e cycling
+    through 0..k as the output grows: full, partial and no acceptance, deterministically."""
+
+    name, has_model = "scripted", False
+
+    def __init__(self, script: dict, vocab: int):
+        self.script, self.vocab, self.proposed = script, vocab, 0
+
+    def available(self, seq, k):
+        return k
+
+    def propose(self, seqs, num_draft):
+        for seq, k in zip(seqs, num_draft):
+            cont, j = self.script[tuple(seq.prompt_token_ids)], seq.num_output_tokens
+            want = (cont[j: j + k] + [0] * k)[:k]
+            e = j % (k + 1)
+            seq.spec_token_ids = want[:e] + [(t + 1) % self.vocab for t in want[e:]]
+            seq.spec_probs = None
+            self.proposed += k
+
+    def remove(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "mamba2", "nemotron_h"])
+def test_speculative_decoding_is_exact(hybrid, monkeypatch, name):
+    from macinfer.core import state_pool
+
+    path, model, tok = hybrid(name)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (6, 17, 11)]
+    want = [oracle(model, p, 14) for p in prompts]
+    fed = []
+    refeed = state_pool.refeed_rejected
+    monkeypatch.setattr(state_pool, "refeed_rejected", lambda *a: fed.append(refeed(*a)) or fed[-1])
+    drafter = ScriptedDrafter({tuple(p): w for p, w in zip(prompts, want)}, model_vocab(model))
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
+                       draft=drafter, num_speculative_tokens=3, adaptive_speculation=False)
+    out = run(engine, [(i, p, SamplingParams(max_tokens=14, ignore_eos=True), f"s{i}") for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert out[f"s{i}"].token_ids == want[i], f"s{i}"
+    m = engine.spec
+    assert drafter.proposed > 0 and sum(fed) > 0, "no draft was rejected: the rollback was never tested"
+    accepted = sum(o.metrics.accepted_tokens for o in out.values())
+    assert 0 < accepted < drafter.proposed, (accepted, drafter.proposed, m)
+    assert_all_free(engine)
+
+
+def model_vocab(model):
+    return model.args.vocab_size if hasattr(model.args, "vocab_size") else model.args.text_config["vocab_size"]
+
+
+def test_drafts_that_cannot_be_exact_are_refused(hybrid):
     path, model, tok = hybrid("lfm2")
-    if draft == "auto":  # nothing shipped for it: no draft, no error
-        assert LLMEngine(model, tok, None, num_blocks=16, draft=draft).spec is None
-        return
-    with pytest.raises(MacinferError, match="lfm2: speculative decoding is not supported for models with "
-                                            "recurrent state layers yet; run without --draft"):
-        LLMEngine(model, tok, None, num_blocks=16, draft=draft)
+    assert LLMEngine(model, tok, None, num_blocks=16, draft="auto").spec is None  # nothing shipped for it
+    draft_path, draft_model, _ = hybrid("mamba2")
+    with pytest.raises(MacinferError, match="draft models with recurrent state layers are not supported yet"):
+        LLMEngine(model, tok, None, num_blocks=16, draft=draft_model)

@@ -220,8 +220,13 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                verified += self.verifier(group, rows, self._forward(rows, all_logits=True))
+                new = self.verifier(group, rows, self._forward(rows, all_logits=True))
+                verified += new
                 mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
+                if self.states is not None:  # recurrent states must not keep rejected drafts
+                    from macinfer.core.state_pool import refeed_rejected
+
+                    refeed_rejected(self, rows, new, group)
                 continue
             logits = self._forward(rows)  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]

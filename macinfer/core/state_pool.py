@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from macinfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+import mlx.core as mx
+
+from macinfer.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from macinfer.core.sequence import Sequence, SequenceStatus
 
 
@@ -109,3 +111,53 @@ class StateScheduler(Scheduler):
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         super().finish(seq, status)
         self.state_pool.free(seq)
+
+
+def refeed_rejected(runner, rows: list[ScheduledSequence], results: list[tuple[int, mx.array]], group: list[int]) -> int:
+    """Speculative decoding on a model with state layers: after a verify forward, rows that rejected
+    some of their drafts get the state of their accepted tokens only.
+
+    The verify forward ran every drafted token through the state layers, and a recurrent state cannot
+    be trimmed like K/V. So such a row's slot goes back to the state before the forward and one more
+    forward feeds the row's real token and its accepted drafts again (right-padded, per-row lengths):
+    it rewrites the K/V those positions already hold and leaves the state just past them. Rows that
+    accepted everything keep the verify forward's state. Costs a forward per step with a rejection,
+    which the adaptive K sees in its measured step times.
+
+    Args:
+        runner: the target's ModelRunner (runner.states set).
+        rows: the verify forward's ScheduledSequences.
+        results: (scheduled index, evaluated [num_accepted, tokens...]) of its sampling rows.
+        group: each row's scheduled index.
+
+    Returns:
+        How many rows were fed again.
+    """
+    accepted = {i: int(res[0].item()) for i, res in results}
+    redo = [ScheduledSequence(r.seq, r.num_new_tokens - r.num_spec_tokens + accepted[i], accepted[i])
+            for i, r in zip(group, rows) if r.num_spec_tokens and accepted.get(i, r.num_spec_tokens) < r.num_spec_tokens]
+    if not redo:
+        return 0
+    runner.states.rollback([r.seq for r in redo])
+    for sub in runner._groups(redo):  # unpadded groups for models that ignore lengths
+        runner._forward([redo[i] for i in sub])
+        mx.eval([c.state for c in runner.caches])  # see ModelRunner.execute_model's NOTE
+    return len(redo)
+
+
+def check_drafter(drafter, runner, model_type: str) -> None:
+    """Refuse the drafts that cannot run exactly with state layers (one MacinferError line).
+
+    A feature draft reads the target's hidden states of every forward, and refeed_rejected's extra
+    forward would report some positions twice; a draft model with state layers would need slots of
+    its own. Drafting by lookup, or with an attention-only draft model, is exact.
+    """
+    from macinfer.errors import MacinferError
+
+    if runner.states is not None and runner.hidden_sink is not None:
+        raise MacinferError(f"{model_type}: a feature draft is not supported for models with recurrent state "
+                            "layers yet; use --draft ngram or a draft model")
+    for d in (drafter, getattr(drafter, "model", None)):
+        if getattr(getattr(d, "runner", None), "states", None) is not None:
+            raise MacinferError(f"{getattr(d, 'name', 'the draft')}: draft models with recurrent state layers are "
+                                "not supported yet; use --draft ngram or an attention-only draft")

@@ -48,8 +48,8 @@ from macinfer.core.prefix_cache import prefix_cache_stats, setup_prefix_cache
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
-from macinfer.core.state_pool import StatePool, StateScheduler
-from macinfer.spec.speculator import make_spec_decoder, shipped_draft_for
+from macinfer.core.state_pool import StatePool, StateScheduler, check_drafter
+from macinfer.spec.speculator import make_spec_decoder
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
@@ -239,14 +239,12 @@ class LLMEngine:
         # NOTE: no prefix cache for models with recurrent state layers yet: a cached KV block is no use
         # without the state after the same tokens (state snapshots at block boundaries are a follow-up).
         self.model_id = setup_prefix_cache(self, config) if not states else None  # None when off
-        if states and config.draft is not None and not (config.draft == "auto"
-                                                        and shipped_draft_for(getattr(info, "name", None)) is None):
-            # NOTE: verifying drafts would need the state checkpointed before verification and
-            # restored (then the accepted tokens fed again) on a rejection: not done yet.
-            raise MacinferError(f"{model_type}: speculative decoding is not supported for models with recurrent "
-                                "state layers yet; run without --draft")
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool, self.runner)  # None: no draft
+        if self.spec is not None:
+            # Models with state layers verify drafts exactly: a row that rejects some gets its state back
+            # and its accepted tokens fed again (macinfer.core.state_pool.refeed_rejected).
+            check_drafter(self.spec.drafter, self.runner, model_type)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
