@@ -169,6 +169,35 @@ def test_preempted_mid_prefill_recomputes_same_tokens(hybrid, monkeypatch, name)
     assert_all_free(engine)
 
 
+def test_aborts_free_their_slots(hybrid):
+    path, model, tok = hybrid("lfm2")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (25, 6, 9, 4)]
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    arrivals = [(0, prompts[0], params, "mid-prefill"), (0, prompts[1], params, "a"),
+                (1, prompts[2], params, "mid-decode"), (2, prompts[3], params, "b")]
+    outputs, step = {}, 0
+    while arrivals or engine.has_unfinished():
+        for a in [a for a in arrivals if a[0] == step]:
+            engine.add_request(a[1], a[2], request_id=a[3])
+            arrivals.remove(a)
+        if step == 2:
+            assert 0 < engine.requests["mid-prefill"].num_computed_tokens < 25
+            engine.abort_request("mid-prefill")  # its slot goes to "b", which must start from a fresh state
+        if step == 7:
+            assert engine.requests["mid-decode"].num_output_tokens > 0
+            engine.abort_request("mid-decode")
+        for d in engine.step():
+            if d.output is not None:
+                outputs[d.request_id] = d.output
+        step += 1
+    assert outputs["mid-prefill"].finish_reason == outputs["mid-decode"].finish_reason == "abort"
+    assert outputs["a"].token_ids == oracle(model, prompts[1], 12)
+    assert outputs["b"].token_ids == oracle(model, prompts[3], 12)
+    assert_all_free(engine)
+
+
 def test_budget_describe_and_stats(hybrid):
     path, model, tok = hybrid("qwen3_next")
     specs = inspect_model(model, "qwen3_next")

@@ -234,15 +234,26 @@ class StateStore:
             rows = [w[1] for w in where]
             if rows == list(range(first.size)):
                 return [list(a) for a in first.arrays]  # the same rows in the same order: as they are
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                return [[a[rows[0]: rows[0] + len(rows)] for a in layer] for layer in first.arrays]  # a view
             idx = mx.array(rows, dtype=mx.int32)
             return [[a[idx] for a in layer] for layer in first.arrays]
+        # Rows from several batches (a sequence joining the decode batch): runs of consecutive rows of
+        # one batch are one slice each (a fresh run is zeros), concatenated.
+        runs: list[list] = []  # [batch or None, first row, count]
+        for w in where:
+            last = runs[-1] if runs else None
+            if last is not None and ((w is None and last[0] is None)
+                                     or (w is not None and last[0] is w[0] and last[1] + last[2] == w[1])):
+                last[2] += 1
+            else:
+                runs.append([None, 0, 1] if w is None else [w[0], w[1], 1])
         out = []
         for j, spec in enumerate(self.specs):
             per_k = []
             for k, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)):
-                rows = [w[0].arrays[j][k][w[1]: w[1] + 1] if w is not None else mx.zeros((1, *shape), dtype)
-                        for w in where]
-                per_k.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
+                parts = [b.arrays[j][k][r: r + n] if b is not None else mx.zeros((n, *shape), dtype) for b, r, n in runs]
+                per_k.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
             out.append(per_k)
         return out
 
