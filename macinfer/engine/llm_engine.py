@@ -26,6 +26,8 @@ KV budget: `kv_memory` (bytes or "2GB"; binary units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
+Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
+slots out of the same budget first.
 """
 
 from __future__ import annotations
