@@ -213,16 +213,17 @@ def test_kv_budget_and_describe(load):
 
 def test_unpageable_architecture_is_refused():
     import mlx.nn as nn
-    from mlx_lm.models.cache import ArraysCache
+    from mlx_lm.models.cache import ChunkedKVCache
 
-    class StateSpace(nn.Module):
+    # Recurrent (ArraysCache) layers are served with state slots now (tests/test_hybrid.py); chunked attention is not.
+    class Chunked(nn.Module):
         layers = [None]
 
         def make_cache(self):
-            return [ArraysCache(2)]
+            return [ChunkedKVCache(8)]
 
-    with pytest.raises(MacinferError, match="mamba.*ArraysCache"):
-        inspect_model(StateSpace(), "mamba")
+    with pytest.raises(MacinferError, match="llama4.*ChunkedKVCache"):
+        inspect_model(Chunked(), "llama4")
 
 
 def test_llm_interface(tiny_models):

@@ -54,8 +54,18 @@ class ModelRunner:
                            for spec in specs]
         else:
             self.caches = [PagedKVCache(self.ctx, spec, num_blocks, block_size) for spec in specs]
+        # Hybrid / SSM models: a state slot per sequence beside the KV pools (macinfer.kv.state_cache);
+        # self.caches is then the model's own cache layout (attention and state layers interleaved).
+        self.states = None
+        if getattr(specs, "states", None):
+            from macinfer.kv.state_cache import StateStore, honours_lengths
+
+            self.states = StateStore(specs)
+            self.states.honours_lengths = honours_lengths(model)
+            self.caches = self.states.model_caches(self.caches)
         install_attention_patch(model)
-        install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
+        if specs:  # a model without attention layers (mamba2) has no RoPE to share
+            install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
         # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
@@ -113,6 +123,8 @@ class ModelRunner:
             last.append(n - 1)
             starts.append(start)
         self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
+        if self.states is not None:
+            self.states.bind([r.seq for r in rows], [r.num_new_tokens for r in rows], L)
         inputs = mx.array(tokens, dtype=mx.int32)
         if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
             h = self._hidden(inputs, [r.seq for r in rows], starts, [r.num_new_tokens for r in rows])
@@ -154,6 +166,8 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         self._set_context(starts, 1, [s.block_table for s in seqs],
                           [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
+        if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
+            self.states.bind(seqs, [1] * len(seqs), 1)
         if self.hidden_sink is None:
             logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
         else:
@@ -189,6 +203,10 @@ class ModelRunner:
             real += n
         if group:
             groups.append(group)
+        if self.states is not None and not self.states.honours_lengths:
+            # State layers that fold padding into their state (mamba v1): unpadded rows only.
+            groups = [[i for i in g if scheduled[i].num_new_tokens == n]
+                      for g in groups for n in sorted({scheduled[i].num_new_tokens for i in g})]
         return groups
 
     def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
@@ -202,8 +220,13 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                verified += self.verifier(group, rows, self._forward(rows, all_logits=True))
+                new = self.verifier(group, rows, self._forward(rows, all_logits=True))
+                verified += new
                 mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
+                if self.states is not None:  # recurrent states must not keep rejected drafts
+                    from macinfer.core.state_pool import refeed_rejected
+
+                    refeed_rejected(self, rows, new, group)
                 continue
             logits = self._forward(rows)  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]

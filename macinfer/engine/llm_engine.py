@@ -17,6 +17,8 @@ KV budget: `kv_memory` (bytes, or "2GB" = 2e9 / "2GiB" = 2**30: macinfer.units) 
 default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
+Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
+slots out of the same budget first.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from macinfer.engine.pipeline import InFlight, PipelinedSteps
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
+from macinfer.core.state_pool import StatePool, StateScheduler, check_drafter
 from macinfer.spec.speculator import make_spec_decoder
 
 class LLMEngine(PipelinedSteps):
@@ -69,35 +72,59 @@ class LLMEngine(PipelinedSteps):
         else:
             self.bytes_per_token = sum(s.bytes_per_token() for s in self.specs)
         self.bytes_per_block = self.bytes_per_token * bs
+        # Recurrent layers (hybrid / SSM models): a state slot per sequence, max_num_seqs of them, out of
+        # the same budget (macinfer.core.state_pool).
+        states = getattr(self.specs, "states", None)
+        self.state_bytes = config.max_num_seqs * self.specs.bytes_per_slot if states else 0
         weight_bytes = getattr(info, "weight_bytes", 0)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
-            self.kv_budget = num_blocks * self.bytes_per_block
+            self.kv_budget = num_blocks * self.bytes_per_block + self.state_bytes
         else:
             self.kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
                               else default_kv_memory(weight_bytes))
+            if self.state_bytes >= self.kv_budget:
+                raise MacinferError(
+                    f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "
+                    f"{fmt_bytes(self.state_bytes, binary=True)}, more than the {fmt_bytes(self.kv_budget, binary=True)} "
+                    "KV budget: raise kv_memory or lower max_num_seqs")
             # The null block counts against the budget; no point holding more than
             # max_num_seqs full-length sequences could fill.
             useful = (config.max_num_seqs * -(-self.max_model_len // bs) + 1) * self.bytes_per_block
-            num_blocks = min(self.kv_budget, useful) // self.bytes_per_block
+            num_blocks = (min(self.kv_budget - self.state_bytes, useful) // self.bytes_per_block if self.bytes_per_block
+                          else min(1 << 16, config.max_num_seqs * -(-self.max_model_len // bs) + 1))  # no attention: free
             if num_blocks < 2:
                 raise MacinferError(
                     f"a KV budget of {fmt_bytes(self.kv_budget, binary=True)} holds no {bs}-token block "
                     f"({fmt_bytes(self.bytes_per_block, binary=True)} each): raise kv_memory")
         self.block_pool = BlockPool(num_blocks, bs)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_pool)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                                   kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        self.state_pool = None
+        if states:
+            self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot, release=self.runner.states.release)
+            self.runner.states.slot_of = self.state_pool.slot_of
+            self.scheduler = StateScheduler(sched_config, self.block_pool, self.state_pool)
+        else:
+            self.scheduler = Scheduler(sched_config, self.block_pool)
         from macinfer.kv.metal_attention import select_attention
         from macinfer.kv.paged_attention import paged_attention
 
         fn, self.attention_backend = select_attention(config.attention, paged_attention,
-                                                      head_dim=self.specs[0].k_head_dim, block_size=bs)
+                                                      head_dim=self.specs[0].k_head_dim if self.specs else 0,
+                                                      block_size=bs) if self.specs else (None, "none")
         if self.attention_backend != "reference":
             self.runner.ctx.attention_fn = fn
-        self.model_id = setup_prefix_cache(self, config)  # None when the prefix cache is off
+        # NOTE: no prefix cache for models with recurrent state layers yet: a cached KV block is no use
+        # without the state after the same tokens (state snapshots at block boundaries are a follow-up).
+        self.model_id = setup_prefix_cache(self, config) if not states else None  # None when off
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool, self.runner)  # None: no draft
+        if self.spec is not None:
+            # Models with state layers verify drafts exactly: a row that rejects some gets its state back
+            # and its accepted tokens fed again (macinfer.core.state_pool.refeed_rejected).
+            check_drafter(self.spec.drafter, self.runner, model_type)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
@@ -121,6 +148,9 @@ class LLMEngine(PipelinedSteps):
             + (f", sliding windows {windows}" if windows else "") + f"); "
             f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step; "
             f"attention: {self.attention_backend}"
+            + (f"; recurrent state: {self.state_pool.num_slots} slots x "
+               f"{fmt_bytes(self.state_pool.bytes_per_slot, binary=True)} = {fmt_bytes(self.state_bytes, binary=True)} "
+               f"({len(self.specs.states)} state layers)" if self.state_pool is not None else "")
         )
 
     def kv_stats(self) -> dict:
@@ -142,6 +172,7 @@ class LLMEngine(PipelinedSteps):
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             **prefix_cache_stats(self.block_pool),
+            **(self.state_pool.stats() if self.state_pool is not None else {}),
         }
 
     # -- requests -----------------------------------------------------------------------

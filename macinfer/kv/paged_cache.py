@@ -21,8 +21,9 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
   to mlx-lm's original (so mlx-lm keeps working in the same process).
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
-layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (state-space
-layers, chunked attention, KV sharing), and models that compute attention without
+layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (chunked
+attention, KV sharing; recurrent ArraysCache layers get state slots instead, see
+macinfer.kv.state_cache), and models that compute attention without
 going through `scaled_dot_product_attention` (e.g. logit soft-capping). Sliding
 window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
 and masked in attention; their pools hold every token (simple, correct; freeing
@@ -250,7 +251,11 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
     global _probe_calls
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    caches = make_prompt_cache(model)
+    from macinfer.kv.state_cache import ModelSpecs, split_caches, state_specs
+
+    # Recurrent layers (ArraysCache) get state slots (macinfer.kv.state_cache); the rest must be attention.
+    model_caches = make_prompt_cache(model)
+    caches, states, layout = split_caches(model_caches, model_type)
     for c in caches:
         if type(c) not in (KVCache, RotatingKVCache):
             raise MacinferError(
@@ -262,7 +267,7 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
     install_attention_patch(model)
     _probe_calls = []
     try:
-        model(mx.array([[0, 0]]), cache=caches)  # lazy: only shapes are computed
+        model(mx.array([[0, 0]]), cache=model_caches)  # lazy: only shapes are computed
         calls = _probe_calls
     except Exception as e:  # noqa: BLE001 - any failure here means we cannot page it
         raise MacinferError(f"{model_type}: probing the model's attention failed ({type(e).__name__}: {e})") from None
@@ -279,7 +284,7 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         kshape, vshape, dtype = by_cache[id(c)]
         window = c.max_size if isinstance(c, RotatingKVCache) else None
         specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window, dtype=dtype))
-    return specs
+    return ModelSpecs(specs, state_specs(states, model_type), layout) if states else specs
 
 
 def supports_batched_offsets(model: nn.Module) -> bool:
