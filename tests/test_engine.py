@@ -267,8 +267,21 @@ def test_more_architectures_match_mlx_lm(load, name, overrides):
     assert_all_free(engine)
 
 
-def test_attention_without_sdpa_is_refused(load):
-    # gemma2 soft-caps attention logits in its own code: paging it would be silently wrong.
-    model, tok = load("llama", model_type="gemma2", head_dim=16, query_pre_attn_scalar=16)
-    with pytest.raises(MacinferError, match="gemma2.*cannot be paged"):
-        LLMEngine(model, tok, None, num_blocks=8)
+def test_attention_without_sdpa_is_refused():
+    # Attention computed in the model's own code (as phi3small's block-sparse layers do) that no
+    # variant routes (gemma2's soft-capping is routed: tests/test_attention_variants.py): paging
+    # it would be silently wrong.
+    import mlx.nn as nn
+
+    class HandRolled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4)]
+
+        def __call__(self, inputs, cache=None):
+            k = mx.zeros((1, 1, inputs.shape[1], 4))
+            k, v = cache[0].update_and_fetch(k, k)
+            return (k @ v.swapaxes(-1, -2)).sum(1)
+
+    with pytest.raises(MacinferError, match="handrolled.*cannot be paged"):
+        inspect_model(HandRolled(), "handrolled")
