@@ -348,11 +348,17 @@ def batched_offsets_work(model: nn.Module) -> bool:
     A model that turns cache.offset into a Python int (gpt_bigcode's position ids) raises
     here; the engine then gives each row its own forward.
     """
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+
+    def probe(c):  # recurrent-state layers keep their own (empty) cache: only attention reads offsets
+        if isinstance(c, ArraysCache):
+            return c
+        if isinstance(c, CacheList):
+            return CacheList(*(probe(x) for x in c.caches))
+        return _OffsetsProbeCache(mx.array([3, 5], dtype=mx.int32))
 
     try:
-        n = len(make_prompt_cache(model))
-        caches = [_OffsetsProbeCache(mx.array([3, 5], dtype=mx.int32)) for _ in range(n)]
+        caches = [probe(c) for c in make_prompt_cache(model)]
         with _unprobed():
             model(mx.array([[1], [2]]), cache=caches)
     except Exception:  # noqa: BLE001 - whatever breaks, one row per forward is safe
