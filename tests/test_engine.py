@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.units import parse_bytes
 from macinfer.errors import MacinferError
-from macinfer.kv.paged_cache import inspect_model
+from macinfer.kv.model_probe import inspect_model
 from macinfer.core.sampling import SamplingParams
 
 def oracle(model, prompt, max_tokens, eos=()):

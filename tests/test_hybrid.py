@@ -20,7 +20,7 @@ from macinfer.core.sampling import SamplingParams
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
 from macinfer.kv import state_cache
-from macinfer.kv.paged_cache import inspect_model
+from macinfer.kv.model_probe import inspect_model
 from tiny import build_tiny_model
 
 # Configurations adapted from mlx-lm's tests/test_models.py, Copyright © 2023-2024 Apple Inc., MIT License

@@ -23,7 +23,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, install_attention_patch
+from macinfer.kv.model_probe import install_attention_patch
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
 from macinfer.core.lm_head import split_head
 from macinfer.core.scheduler import ScheduledSequence

@@ -33,7 +33,7 @@ from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes, parse_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
-from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
 from macinfer.engine.config import EngineConfig, default_kv_memory, setup_prefix_cache
 from macinfer.engine.pipeline import InFlight, PipelinedSteps

@@ -51,7 +51,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.kv import paged_cache as _pc
-from macinfer.kv.paged_cache import PagedKVCache, PagedMask
+from macinfer.kv.paged_cache import PagedKVCache
 
 
 # -- the cache view of a KV-sharing layer ------------------------------------------------------------
@@ -101,16 +101,16 @@ class _SharedPages(tuple):
 @contextlib.contextmanager
 def _unprobed():
     """Keep an attention call out of inspect_model's count (a sharing layer adds no cache)."""
-    saved = getattr(_pc, "_probe_calls", None)
-    _pc._probe_calls = None
+    saved = getattr(_pc, "probe_calls", None)
+    _pc.probe_calls = None
     try:
         yield
     finally:
-        _pc._probe_calls = saved
+        _pc.probe_calls = saved
 
 
 def _probing() -> bool:
-    return getattr(_pc, "_probe_calls", None) is not None
+    return getattr(_pc, "probe_calls", None) is not None
 
 
 # -- per-family subclasses ---------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class _Gemma2Attention:
         if isinstance(cache, PagedKVCache):
             out = cache.attention(queries, mask, self.scale, softcap=self.attn_logit_softcapping)
         else:  # inspect_model's probe: record this layer's K/V shapes (lazy, nothing computed)
-            out = _pc._patched_sdpa(queries, keys, values, cache, self.scale, mask)
+            out = _pc.paged_sdpa(queries, keys, values, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -260,7 +260,7 @@ class _LatentAttention:
             context = _LatentContext(cache)
             return super().__call__(x, context.mask(x.shape[1]), context)
         if _probing() and cache is not None:
-            calls, rec = _pc._probe_calls, _ShapeRecorder(cache)
+            calls, rec = _pc.probe_calls, _ShapeRecorder(cache)
             with _unprobed():
                 out = super().__call__(x, mask, rec)
             calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's

@@ -45,7 +45,7 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.scheduler import ScheduledSequence
 from macinfer.core.sequence import Sequence
-from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 
 
 class Drafter(Protocol):
