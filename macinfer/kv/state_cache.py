@@ -310,7 +310,10 @@ def honours_lengths(model) -> bool:
         mx.eval([p.state for p in probes])
         return probes
 
-    padded = run([[5, 7, 9], [3, 4, 0]], mx.array([3, 2], dtype=mx.int32))
-    alone = run([[3, 4]], None)
+    try:
+        padded = run([[5, 7, 9], [3, 4, 0]], mx.array([3, 2], dtype=mx.int32))
+        alone = run([[3, 4]], None)
+    except Exception:  # noqa: BLE001 - cannot tell: unpadded rows only, which is always exact
+        return False
     return all(mx.allclose(a.cache[k][1].astype(mx.float32), b.cache[k][0].astype(mx.float32), atol=1e-4).item()
                for a, b in zip(padded, alone) for k in range(len(a.cache)))
