@@ -203,7 +203,7 @@ def test_budget_describe_and_stats(hybrid):
     specs = inspect_model(model, "qwen3_next")
     assert len(specs) == 2 and len(specs.states) == 2 and [e[0] for e in specs.layout] == ["state", "kv"] * 2
     per_slot = specs.bytes_per_slot
-    engine = LLMEngine(model, tok, None, kv_memory="256KB", block_size=4, max_num_seqs=3, max_model_len=512)
+    engine = LLMEngine(model, tok, None, kv_memory="256KiB", block_size=4, max_num_seqs=3, max_model_len=512)
     # The slots come out of the KV budget: fewer blocks than the same budget buys without them.
     assert engine.state_bytes == 3 * per_slot
     assert engine.block_pool.num_blocks == ((256 << 10) - 3 * per_slot) // engine.bytes_per_block

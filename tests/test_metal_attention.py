@@ -27,8 +27,10 @@ from macinfer.kv import metal_attention as ma
 from macinfer.errors import MacinferError
 
 
-def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None):
-    """Oracle: gather each row's slots (head-major pools) to contiguous K/V, then MLX's SDPA."""
+def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None,
+                softcap=None):
+    """Oracle: gather each row's slots (head-major pools) to contiguous K/V, then MLX's SDPA
+    (soft-capped scores: by hand, tests/test_attention_variants.py checks that one)."""
     B, H, QL, D = queries.shape
     BS = block_size
     out = []
@@ -41,6 +43,11 @@ def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_si
         mask = key <= pos
         if window:
             mask = mask & (key > pos - window)
+        if softcap is not None:
+            from macinfer.kv.paged_attention import softcapped_attention
+
+            out.append(softcapped_attention(queries[b: b + 1], k, v, scale=scale, mask=mask, softcap=softcap))
+            continue
         out.append(mx.fast.scaled_dot_product_attention(queries[b: b + 1], k, v, scale=scale, mask=mask))
     return mx.concatenate(out)
 
@@ -138,7 +145,7 @@ def test_launch_config():
     launch = ma.kernel_launch(**args)
     assert launch["grid"] == (1024, 18, 2) and launch["threadgroup"] == (1024, 1, 1)
     assert launch["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("NSG", 32)]
-    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32]
+    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32, mx.float32]
     assert ma.default_simdgroups(128) == 32 and ma.default_simdgroups(256) == 16
 
 
@@ -168,6 +175,7 @@ struct bfloat16_t {
 namespace metal {
 using std::max;
 inline float exp(float x) { return std::exp(x); }
+namespace precise { inline float tanh(float x) { return std::tanh(x); } }
 }
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 
@@ -450,9 +458,11 @@ def test_mismatch_falls_back_with_one_warning(monkeypatch):
 
 
 def emulated_kernel(emulator, key=None):
-    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None):
+    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
+                              softcap=None):
         return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
-                             context_lens=context_lens, block_size=block_size, scale=scale, window=window), key=key)
+                             context_lens=context_lens, block_size=block_size, scale=scale, window=window,
+                             softcap=softcap), key=key)
 
     return paged_attention_metal
 
@@ -499,7 +509,7 @@ def test_bench_script_runs_without_metal(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench/attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -515,7 +525,7 @@ def test_bench_script_end_to_end_decode(capsys, tiny_models):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench/attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -38,6 +38,7 @@ Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32,
     each partition keeps an online softmax (m, l, acc) updated once per block:
 
       s      = scale * K_blk @ q            (masked slots: -1e30, skipped below)
+      s      = tanh(s / cap) * cap          (logit soft-capping, Gemma 2; only if cap > 0)
       m_new  = max(m, max(s))
       corr   = exp(m - m_new)
       l      = l * corr + sum(exp(s - m_new))
@@ -82,6 +83,7 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
 
 # Signature shared by the reference path and the kernel path:
 # fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None)
+# (plus softcap=cap when a model soft-caps its attention logits: macinfer.kv.attention_variants)
 AttentionFn = Callable[..., mx.array]
 
 
@@ -111,7 +113,7 @@ def _table_array(block_tables) -> mx.array:
 
 def paged_attention_online(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, n_partitions: int | None = None,
+    window: int | None = None, n_partitions: int | None = None, softcap: float | None = None,
 ) -> mx.array:
     """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
 
@@ -125,6 +127,7 @@ def paged_attention_online(
         window: sliding window (a query at p sees keys > p - window), or None.
         n_partitions: simdgroups per row; default `default_simdgroups(head_dim)`,
             what the kernel launches with.
+        softcap: logit soft-capping: a visible score s becomes tanh(s / softcap) * softcap.
 
     Returns:
         (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
@@ -137,6 +140,7 @@ def paged_attention_online(
     KVH, BS = kp.shape[0], block_size
     NSG = n_partitions or default_simdgroups(D)
     W = window or 0
+    cap = np.float32(softcap or 0)
     f32 = np.float32
     out = np.empty_like(q)
     for b in range(B):  # grid z: one sequence
@@ -159,6 +163,8 @@ def paged_attention_online(
                         s = np.full(BS, MASKED, f32)  # (BS,)  [4] scores of this block
                         slots = phys * BS + np.arange(BS)  # [3] this block's slots
                         s[valid] = (kp[kvh, slots[valid]] @ qv) * f32(scale)
+                        if cap > 0:  # [4] soft-capping, visible slots only
+                            s[valid] = np.tanh(s[valid] / cap) * cap
                         m_new = max(m, s.max())  # [5] online softmax, once per block
                         corr = np.exp(m - m_new)
                         pt = np.exp(s[valid] - m_new)  # masked slots never touch V
@@ -188,6 +194,7 @@ METAL_SOURCE = """
     const int MAXB = block_tables_shape[1];
     const int W = window[0];
     const float sc = scale[0];
+    const float cap = softcap[0];                     // > 0: logit soft-capping
     const uint lane = thread_index_in_simdgroup;
     const uint sg = simdgroup_index_in_threadgroup;   // ref: partition g
     const int b = threadgroup_position_in_grid.z;     // ref: for b
@@ -220,7 +227,7 @@ METAL_SOURCE = """
         const int64_t phys = block_tables[b * MAXB + j];
         const int64_t blk = (kvh * NS + phys * BS) * D;   // k_pool[kvh, phys * BS, 0]
 
-        // [4] ref: s[valid] = (kp[phys, valid, kvh] @ qv) * scale; others MASKED
+        // [4] ref: s[valid] = (kp[phys, valid, kvh] @ qv) * scale (soft-capped); others MASKED
         float s[BS];
         float m_blk = -1.0e30f;
         for (int t = 0; t < BS; ++t) {
@@ -235,7 +242,11 @@ METAL_SOURCE = """
                         part += qv[i] * static_cast<float>(k_pool[kt + d]);
                     }
                 }
-                s[t] = simd_sum(part) * sc;
+                float st = simd_sum(part) * sc;
+                if (cap > 0.0f) {                     // ref: s = tanh(s / cap) * cap
+                    st = metal::precise::tanh(st / cap) * cap;
+                }
+                s[t] = st;
             }
             m_blk = metal::max(m_blk, s[t]);
         }
@@ -293,7 +304,7 @@ METAL_SOURCE = """
     }
 """
 
-INPUT_NAMES = ("queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "window")
+INPUT_NAMES = ("queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "window", "softcap")
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +320,7 @@ def build_kernel():
 
 def kernel_launch(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, n_simdgroups: int | None = None,
+    window: int | None = None, n_simdgroups: int | None = None, softcap: float | None = None,
 ) -> dict:
     """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs."""
     B, H, QL, D = queries.shape
@@ -320,6 +331,7 @@ def kernel_launch(
         inputs=[
             queries, k_pool, v_pool, _table_array(block_tables), lens.astype(mx.int32),
             mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
+            mx.array([softcap or 0], dtype=mx.float32),
         ],
         template=[("T", queries.dtype), ("D", D), ("BS", BS), ("NSG", NSG)],
         grid=(SIMD_WIDTH * NSG, H * QL, B),
@@ -331,16 +343,18 @@ def kernel_launch(
 
 def paged_attention_metal(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> mx.array:
     """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
     return build_kernel()(**kernel_launch(
-        queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window))[0]
+        queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window,
+        softcap=softcap))[0]
 
 
 def random_problem(
     seed: int, *, context_lens: list[int], q_len: int = 1, n_heads: int = 4, n_kv_heads: int = 2,
     head_dim: int = 64, block_size: int = 16, dtype=mx.float32, window: int | None = None,
+    softcap: float | None = None,
 ) -> dict:
     """Random paged-attention arguments with shuffled physical blocks.
 
@@ -357,7 +371,8 @@ def random_problem(
     for b, n in enumerate(need):
         tables[b, :n] = [next(ids) for _ in range(n)]
     pool_shape = (n_kv_heads, num_blocks * BS, head_dim)  # head-major slots
-    return dict(
+    extra = {} if softcap is None else {"softcap": softcap}
+    return dict(**extra,
         queries=mx.array(rng.standard_normal((len(context_lens), n_heads, q_len, head_dim), np.float32)).astype(dtype),
         k_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
         v_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
@@ -371,7 +386,7 @@ def random_problem(
 
 def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
     """Problems the kernel must pass: lengths ending inside and on block boundaries,
-    GQA ratios 1/3/4, q_len 1-3, a window, and more blocks than simdgroups."""
+    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping."""
     BS = block_size
     many = (default_simdgroups(head_dim) + 8) * BS + 7  # some simdgroups walk 2 blocks
     return [
@@ -379,6 +394,7 @@ def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
         dict(context_lens=[2 * BS, 5 * BS - 1], q_len=3, n_heads=6, n_kv_heads=2),
         dict(context_lens=[4 * BS + 1, many], q_len=2, n_heads=8, n_kv_heads=2, window=2 * BS + 3),
         dict(context_lens=[many], q_len=1, n_heads=3, n_kv_heads=1),
+        dict(context_lens=[3 * BS + 2, BS], q_len=2, n_heads=4, n_kv_heads=2, window=BS + 1, softcap=2.0),
     ]
 
 
@@ -414,12 +430,13 @@ def _kernel_or_reference(kernel_fn: AttentionFn, reference_fn: AttentionFn) -> A
     """The kernel, with the reference for what it does not cover (sinks, head_dim_v != head_dim)."""
 
     def attention(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                  sinks=None):
+                  sinks=None, softcap=None):
+        extra = {} if softcap is None else {"softcap": softcap}
         if sinks is not None or v_pool.shape[-1] != queries.shape[-1] or queries.dtype not in SUPPORTED_DTYPES:
             return reference_fn(queries, k_pool, v_pool, block_tables, context_lens,
-                                block_size=block_size, scale=scale, window=window, sinks=sinks)
+                                block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
         return kernel_fn(queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size,
-                         scale=scale, window=window)
+                         scale=scale, window=window, **extra)
 
     return attention
 

@@ -65,6 +65,7 @@ def paged_attention(
     window: int | None = None,
     sinks: mx.array | None = None,
     memo: dict | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """Attention of the last q_len positions of each sequence over its paged context.
 
@@ -88,6 +89,9 @@ def paged_attention(
         sinks: per-head attention sinks, passed through to MLX.
         memo: a dict shared by all layers of one forward, to build the padded
             table and the masks once instead of once per layer.
+        softcap: logit soft-capping (Gemma 2): scores become tanh(s / softcap) * softcap
+            before the mask and the softmax. MLX's fused SDPA has no such step, so the
+            scores are then computed by hand (`softcapped_attention`).
 
     Returns:
         (B, n_heads, q_len, head_dim_v), like mx.fast.scaled_dot_product_attention.
@@ -136,7 +140,7 @@ def paged_attention(
             pos = mx.arange(C - q_len, C)[:, None]  # (q_len, 1) absolute query positions
             key = mx.arange(first, C)[None]  # (1, S)
             mask = (key <= pos) & (key > pos - window)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+        return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
 
     # Batch: pad every table to the longest with the null block, mask per row.
     memo = {} if memo is None else memo
@@ -161,4 +165,47 @@ def paged_attention(
         if window is not None:
             mask = mask & (key > pos - window)
         memo[key_] = mask[:, None]  # (B, 1, q_len, S)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=memo[key_], sinks=sinks)
+    return _sdpa(queries, k, v, scale=scale, mask=memo[key_], sinks=sinks, softcap=softcap)
+
+
+def _sdpa(queries, k, v, *, scale, mask, sinks, softcap):
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+    if sinks is not None:
+        raise ValueError("attention sinks together with logit soft-capping are not supported")
+    return softcapped_attention(queries, k, v, scale=scale, mask=mask, softcap=softcap)
+
+
+def softcapped_attention(queries, keys, values, *, scale: float, mask, softcap: float) -> mx.array:
+    """Attention with soft-capped scores, op for op as mlx-lm's Gemma 2 computes it.
+
+        scores = (q * scale) @ k^T;   scores = tanh(scores / softcap) * softcap
+        masked scores -> dtype min (a boolean mask) or + mask (an additive one)
+        out = softmax(scores, precise) @ v
+
+    Args:
+        queries: (B, n_heads, L, D); keys, values: (B, n_kv_heads, S, D[_v]).
+        mask: None, "causal" (the last L of S positions), a boolean mask or an additive
+            one, broadcastable to (B, 1, L, S) or (L, S).
+    """
+    B, H, L, D = queries.shape
+    KVH, S = keys.shape[1], keys.shape[2]
+    rep = H // KVH
+    queries = queries * scale
+    if rep > 1:  # grouped-query: (B, kvh, rep, L, D) against (B, kvh, 1, S, D), as mlx-lm does
+        queries = queries.reshape(B, KVH, rep, L, D)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = queries @ keys.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap)
+    scores *= softcap
+    if isinstance(mask, str):
+        mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+    if mask is not None:
+        if rep > 1 and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, precise=True, axis=-1) @ values
+    return out.reshape(B, H, L, -1) if rep > 1 else out

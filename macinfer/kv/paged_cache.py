@@ -1,6 +1,6 @@
 """The adapter that lets mlx-lm's model classes run on the paged KV cache.
 
-mlx-lm attention does, per layer (PLATFORM.md):
+mlx-lm attention does, per layer (docs/platform.md):
 
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
@@ -22,9 +22,10 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
 layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (chunked
-attention, KV sharing; recurrent ArraysCache layers get state slots instead, see
-macinfer.kv.state_cache), and models that compute attention without
-going through `scaled_dot_product_attention` (e.g. logit soft-capping). Sliding
+attention; recurrent ArraysCache layers get state slots instead, see
+macinfer.kv.state_cache), and models that compute attention without going through
+`scaled_dot_product_attention`, except the families `macinfer.kv.attention_variants`
+routes itself (gemma2's soft-capping, gemma3n/gemma4 KV sharing, MLA's latent). Sliding
 window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
 and masked in attention; their pools hold every token (simple, correct; freeing
 blocks that slid out of the window is future work).
@@ -70,13 +71,15 @@ class ForwardContext:
     # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
     attention_fn: object = None
 
-    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo) -> mx.array:
+    def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
+               softcap=None) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
+        extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
         if self.attention_fn is not None:
             return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
-                                     block_size=block_size, scale=scale, window=window, sinks=sinks)
+                                     block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
         return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
-                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo)
+                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo, **extra)
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
@@ -184,12 +187,12 @@ class PagedKVCache:
             )
         return PagedMask(window_size)
 
-    def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
+    def attention(self, queries: mx.array, mask, scale: float, sinks=None, softcap=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
                                block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
-                               memo=self.ctx.memo)
+                               memo=self.ctx.memo, softcap=softcap)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property
@@ -229,6 +232,9 @@ def install_attention_patch(model: nn.Module) -> int:
     """
     from mlx_lm.models import base
 
+    from macinfer.kv.attention_variants import install_attention_variants
+
+    install_attention_variants(model)  # families that attend their own way (gemma2, KV sharing)
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
     patched = 0
     for name in names:
@@ -291,5 +297,9 @@ def supports_batched_offsets(model: nn.Module) -> bool:
     """Whether every RoPE in the model accepts a per-row (B,) offset array."""
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
-    # Dynamic NTK scaling computes its base from a Python max over the offset.
-    return not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
+    from macinfer.kv.attention_variants import batched_offsets_work
+
+    # Dynamic NTK scaling computes its base from a Python max over the offset; others (gpt_bigcode's
+    # position ids) make a Python int of it, which a lazy two-row forward finds out.
+    return (not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
+            and batched_offsets_work(model))

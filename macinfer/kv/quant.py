@@ -103,7 +103,7 @@ class QuantizedPagedKVCache(PagedKVCache):
 
         return deq(self.k_q, self.kg), deq(self.v_q, self.vg), memo["kvq_tables"]
 
-    def attention(self, queries: mx.array, mask, scale: float, sinks=None) -> mx.array:
+    def attention(self, queries: mx.array, mask, scale: float, sinks=None, softcap=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         k, v, tables = self._compact()
@@ -111,7 +111,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
         return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
-                               sinks=sinks, memo=sub)
+                               sinks=sinks, memo=sub, softcap=softcap)
 
     @property
     def state(self):

@@ -26,7 +26,7 @@ read past the target's `num_computed_tokens`. Positions the target never ran (a 
 served from the prefix cache) have no features: the draft's context then starts after them.
 
 Li, Wei, Zhang, Zhang: "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
-(ICML 2024). The draft for the embedded SmolLM2 is built by scripts/train_eagle.py.
+(ICML 2024). The draft for the embedded SmolLM2 is built by scripts/train/train_eagle.py.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ class FeatureDrafter:
         """Draft up to num_draft[i] tokens per row; a row's chain stops early where the draft is unsure.
 
         The draft's confidence (its top probability, well calibrated on held-out text: see
-        scripts/train_eagle.py) times that of the drafts before it is the chance the whole chain
+        scripts/train/train_eagle.py) times that of the drafts before it is the chance the whole chain
         so far is accepted; below `min_joint` one more token would cost more verify and draft
         time than it is expected to save, so the chain stops there (EAGLE-2's rule, on a chain).
         The rule looks at the draft's distribution, never at the token drawn from it, so a

@@ -1,0 +1,366 @@
+"""Attention that mlx-lm's models compute their own way, routed onto the paged KV cache.
+
+`macinfer.kv.paged_cache` pages every model whose attention is the usual
+rope -> cache.update_and_fetch -> scaled_dot_product_attention, by patching that function in
+the model's module. Some families step outside it; here each one is intercepted at the
+narrowest point mlx-lm's code allows, without copying a model file. The model's attention
+module keeps its parameters and tree path; only its class becomes a subclass of mlx-lm's
+(`_retype`), whose __call__ takes the paged path for a PagedKVCache and calls mlx-lm's own
+code for anything else (so mlx-lm keeps working on the same model object):
+
+- gemma2: the attention is written out by hand (q * scale @ k^T, tanh soft-capping, softmax),
+  and the model asks `create_attention_mask(..., return_array=True)`. The subclass does the
+  projections and rope as mlx-lm does, writes K/V through the cache and calls paged attention
+  with `softcap` (the reference path, or the Metal kernel's soft-capped scores); the module's
+  `create_attention_mask` hands a paged cache's PagedMask back instead of an array.
+  (mlx-lm's gemma2 gives every layer a plain KVCache, no sliding window; neither do we.)
+
+- gemma3n, gemma4_text: the last num_kv_shared_layers layers reuse the K/V of the last earlier
+  layer of the same type, and mlx-lm's make_cache makes caches for the other layers only. A
+  sharing layer gets a `SharedKVView` of its source layer's cache: it reads the source's pools
+  (K/V paged once, read by two layers) and never writes. gemma3n hands the sharing layer the
+  source cache itself (its keys_and_values() is what breaks); gemma4 hands it the (keys, values)
+  the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
+  the source's subclass replaces with a marker pointing at its cache.
+
+- deepseek_v3, kimi_k25, glm4_moe_lite (MLA): mlx-lm already caches the compressed latent
+  (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values per token) and expands or absorbs it
+  inside attention, asking its cache for the whole context back and for a mask array. The pools
+  page exactly that latent (one "KV head": K = latent, V = rope key); the layer is handed a
+  `_LatentContext` whose update_and_fetch writes the pools and returns the dense context of
+  this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
+  padding, so mlx-lm's own MLA code and sdpa run unchanged on it. (A gather per layer, like
+  the reference paged attention's; the fused kernel does not cover MLA.)
+
+While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's attention is
+kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
+MLA layer reports the latent's shapes (what it pages) instead of the expanded K/V it attends.
+
+`batched_offsets_work(model)` answers the other question the engine asks of a model: can it
+take one rope offset per row? gpt_bigcode builds its position ids with
+np.arange(cache.offset, ...), a Python int: a lazy probe with (B,) offsets finds that out, and
+the engine then runs one row per forward (a correct, slower fallback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.kv import paged_cache as _pc
+from macinfer.kv.paged_cache import PagedKVCache, PagedMask
+
+
+# -- the cache view of a KV-sharing layer ------------------------------------------------------------
+
+
+class SharedKVView(PagedKVCache):
+    """A KV-sharing layer's cache: attention over its source layer's pools; writes nothing."""
+
+    def __init__(self, source: PagedKVCache):  # no pools of its own
+        self.source = source
+        self.ctx, self.window, self.block_size = source.ctx, source.window, source.block_size
+
+    @property
+    def offset(self):
+        return self.source.offset
+
+    def update_and_fetch(self, keys, values):
+        return keys, values  # the source layer wrote this step's K/V already
+
+    def keys_and_values(self):
+        return None, None  # attention reads the pools (gemma3n asks, then calls sdpa with us)
+
+    def make_mask(self, *args, **kwargs):
+        return self.source.make_mask(*args, **kwargs)
+
+    def attention(self, queries, mask, scale, sinks=None, softcap=None):
+        return self.source.attention(queries, mask, scale, sinks, softcap=softcap)
+
+    @property
+    def state(self):
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class _SharedPages(tuple):
+    """What a gemma4 source layer hands its sharing layers instead of (keys, values)."""
+
+    def __new__(cls, view: SharedKVView):
+        obj = super().__new__(cls, (None, None))  # unpacks like (keys, values)
+        obj.view = view
+        return obj
+
+
+@contextlib.contextmanager
+def _unprobed():
+    """Keep an attention call out of inspect_model's count (a sharing layer adds no cache)."""
+    saved = getattr(_pc, "_probe_calls", None)
+    _pc._probe_calls = None
+    try:
+        yield
+    finally:
+        _pc._probe_calls = saved
+
+
+def _probing() -> bool:
+    return getattr(_pc, "_probe_calls", None) is not None
+
+
+# -- per-family subclasses ---------------------------------------------------------------------------
+
+
+class _Gemma2Attention:
+    """gemma2.Attention with soft-capped paged attention (mixed in before mlx-lm's class)."""
+
+    def __call__(self, x, mask=None, cache=None):
+        if not (isinstance(cache, PagedKVCache) or (_probing() and cache is not None)):
+            return super().__call__(x, mask, cache)
+        # mlx-lm's gemma2 Attention up to the scores, unchanged.
+        B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        if isinstance(cache, PagedKVCache):
+            out = cache.attention(queries, mask, self.scale, softcap=self.attn_logit_softcapping)
+        else:  # inspect_model's probe: record this layer's K/V shapes (lazy, nothing computed)
+            out = _pc._patched_sdpa(queries, keys, values, cache, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class _Gemma3nAttention:
+    """Gemma3nAttention whose KV-shared layers read their source layer's pools through a view."""
+
+    def __call__(self, x, mask=None, cache=None, offset=0):
+        if not self.is_kv_shared_layer:
+            return super().__call__(x, mask, cache, offset=offset)
+        if isinstance(cache, PagedKVCache):
+            return super().__call__(x, mask, SharedKVView(cache), offset=offset)
+        with _unprobed():
+            return super().__call__(x, mask, cache, offset=offset)
+
+
+class _Gemma4Attention:
+    """gemma4_text Attention: sources hand their cache on, sharing layers read it through a view."""
+
+    def __call__(self, x, mask=None, cache=None, shared_kv=None, offset=None):
+        if isinstance(shared_kv, _SharedPages):
+            return super().__call__(x, mask, shared_kv.view, shared_kv=shared_kv, offset=offset)
+        if shared_kv is not None or not self.has_kv:
+            with _unprobed():
+                return super().__call__(x, mask, cache, shared_kv=shared_kv, offset=offset)
+        out, kvs, offset = super().__call__(x, mask, cache, shared_kv=shared_kv, offset=offset)
+        if isinstance(cache, PagedKVCache):
+            kvs = _SharedPages(SharedKVView(cache))  # the step's K/V alone would be wrong to share
+        return out, kvs, offset
+
+
+class _LatentContext:
+    """What an MLA layer's attention sees of a paged cache: the pools' latent context, dense.
+
+    Not a PagedKVCache, so the model's sdpa call goes to mlx-lm's own (with the K/V it built
+    from what update_and_fetch returned): exactly the ops mlx-lm runs on its KVCache.
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, latent, k_pe):
+        self.cache.update_and_fetch(latent, k_pe)  # pages the compressed latent and the rope key
+        return dense_context(self.cache)
+
+    def mask(self, L: int):
+        """mlx-lm's mask for this forward as a boolean array (None for one row of one token)."""
+        ctx, memo = self.cache.ctx, self.cache.ctx.memo
+        key = ("latent_mask", L)
+        if key not in memo:
+            lens = ctx.context_lens
+            if len(lens) == 1:
+                from mlx_lm.models.base import create_causal_mask
+
+                memo[key] = None if L == 1 else create_causal_mask(L, offset=lens[0] - L)
+            else:  # rows padded to the longest table: hide other rows' padding too
+                S = dense_context(self.cache)[0].shape[2]
+                pos = mx.array(lens, dtype=mx.int32)[:, None, None] - L + mx.arange(L, dtype=mx.int32)[None, :, None]
+                memo[key] = (mx.arange(S, dtype=mx.int32)[None, None] <= pos)[:, None]  # (B, 1, L, S)
+        return memo[key]
+
+
+def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
+    """This forward's context of every row from a cache's pools: (B, n_kv_heads, S, D) K and V.
+
+    One row reads exactly its C slots (one slice when its blocks are a contiguous run), as
+    mlx-lm's KVCache returns them; a batch gathers every row's padded block table.
+    """
+    from macinfer.kv.paged_attention import block_slots
+
+    if cache.window is not None:
+        raise NotImplementedError("a dense context of a sliding-window layer")
+    ctx, bs = cache.ctx, cache.block_size
+    if hasattr(cache, "_compact"):  # quantised pools: the referenced blocks, dequantised
+        k_pool, v_pool, tables = cache._compact()
+    else:
+        k_pool, v_pool, tables = cache.k_pool, cache.v_pool, ctx.block_tables
+    lens = ctx.context_lens
+    if len(lens) == 1:
+        blocks = list(tables[0][: -(-lens[0] // bs)])
+        if all(b == blocks[0] + i for i, b in enumerate(blocks)):
+            s0 = blocks[0] * bs
+            return k_pool[None, :, s0: s0 + lens[0]], v_pool[None, :, s0: s0 + lens[0]]
+        ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
+        return k_pool[:, ids][None], v_pool[:, ids][None]
+    key = ("dense_slots", id(tables))
+    if key not in ctx.memo:
+        MB = max(-(-c // bs) for c in lens)
+        padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
+        ctx.memo[key] = (block_slots(padded, bs), tables)  # tables kept alive: its id is the key
+    slots = ctx.memo[key][0]
+    return k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
+
+
+class _ShapeRecorder:
+    """inspect_model's probe of an MLA layer: what it pages is what update_and_fetch gets."""
+
+    def __init__(self, cache):
+        self.cache, self.shapes = cache, None
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, keys, values):
+        self.shapes = (keys.shape, values.shape, keys.dtype)
+        return self.cache.update_and_fetch(keys, values)
+
+
+class _LatentAttention:
+    """MLA attention (deepseek_v3, kimi_k25, glm4_moe_lite): the paged pools hold the compressed latent.
+
+    mlx-lm's MLA layers already cache (kv_latent, k_pe), kv_lora_rank + qk_rope_head_dim values
+    per token, and expand or absorb them in attention: so a layer pages exactly those, in one
+    "KV head" (K = latent, V = rope key), and runs mlx-lm's own code over the dense context.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        if isinstance(cache, PagedKVCache):
+            context = _LatentContext(cache)
+            return super().__call__(x, context.mask(x.shape[1]), context)
+        if _probing() and cache is not None:
+            calls, rec = _pc._probe_calls, _ShapeRecorder(cache)
+            with _unprobed():
+                out = super().__call__(x, mask, rec)
+            calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
+            return out
+        return super().__call__(x, mask, cache)
+
+
+# mlx-lm module -> {attention class name: mixin}
+_VARIANTS = {
+    "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
+    "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
+    "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
+    "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
+    "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
+}
+# Modules whose models ask create_attention_mask for an array that only our subclass consumes.
+_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
+_subclasses: dict[type, type] = {}
+
+
+def _retype(module: nn.Module, mixin: type) -> None:
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    if cls not in _subclasses:
+        _subclasses[cls] = type(f"Paged{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    module.__class__ = _subclasses[cls]
+
+
+def _paged_mask_dispatch(original):
+    def create_attention_mask(h, cache=None, window_size=None, return_array=False):
+        if isinstance(cache, PagedKVCache):  # our attention builds the mask from the block tables
+            return cache.make_mask(h.shape[1], window_size=window_size)
+        return original(h, cache, window_size=window_size, return_array=return_array)
+
+    create_attention_mask.paged_original = original
+    return create_attention_mask
+
+
+def install_attention_variants(model: nn.Module) -> int:
+    """Retype the attention modules of the families above (idempotent).
+
+    Returns:
+        How many modules now take a family-specific paged path.
+    """
+    families = []
+    for _, m in model.named_modules():
+        for cls in type(m).__mro__:  # a retyped module finds mlx-lm's class one step up
+            mixin = _VARIANTS.get(cls.__module__, {}).get(cls.__name__)
+            if mixin is not None:
+                _retype(m, mixin)
+                families.append(cls.__module__)
+                break
+    for name in set(families) & set(_MASK_MODULES):
+        mod = sys.modules[name]
+        if not hasattr(mod.create_attention_mask, "paged_original"):
+            mod.create_attention_mask = _paged_mask_dispatch(mod.create_attention_mask)
+    return len(families)
+
+
+# -- can the model take one rope offset per row? -----------------------------------------------------
+
+
+class _OffsetsProbeCache:
+    """A stand-in cache whose offset is a (B,) array, as in a batched engine forward."""
+
+    def __init__(self, offsets: mx.array, window=None):
+        self.offset, self.window = offsets, window
+        self._kv = (None, None)
+
+    def update_and_fetch(self, keys, values):
+        self._kv = (keys, values)
+        return keys, values
+
+    def keys_and_values(self):
+        return self._kv
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        return None if N == 1 else "causal"
+
+
+def batched_offsets_work(model: nn.Module) -> bool:
+    """Whether a forward over two rows at different positions builds (lazily: nothing is computed).
+
+    A model that turns cache.offset into a Python int (gpt_bigcode's position ids) raises
+    here; the engine then gives each row its own forward.
+    """
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+
+    def probe(c):  # recurrent-state layers keep their own (empty) cache: only attention reads offsets
+        if isinstance(c, ArraysCache):
+            return c
+        if isinstance(c, CacheList):
+            return CacheList(*(probe(x) for x in c.caches))
+        return _OffsetsProbeCache(mx.array([3, 5], dtype=mx.int32))
+
+    try:
+        caches = [probe(c) for c in make_prompt_cache(model)]
+        with _unprobed():
+            model(mx.array([[1], [2]]), cache=caches)
+    except Exception:  # noqa: BLE001 - whatever breaks, one row per forward is safe
+        return False
+    return True

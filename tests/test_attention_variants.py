@@ -1,0 +1,287 @@
+"""Families whose attention mlx-lm computes its own way, on the paged engine (macinfer.kv.attention_variants).
+
+Each family is a tiny random-weight model written as an mlx-lm directory (config.json,
+weights, the tiny tokenizer of tests/tiny.py) and loaded by mlx_lm.load. The engine serves
+four staggered prompts with chunked prefill (and once more through a pool small enough to
+preempt); every token must be what mlx-lm's own generate_step gives for that prompt alone.
+
+The gemma3n, deepseek_v3 (also kimi_k25's text model) and glm4_moe_lite configurations are
+adapted from mlx-lm's tests/test_models.py, Copyright © 2023-2024 Apple Inc., MIT License;
+the others are sized alike.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.core.sampling import SamplingParams
+from macinfer.kv import metal_attention as ma
+from macinfer.kv.attention_variants import SharedKVView, batched_offsets_work
+from macinfer.kv.paged_attention import paged_attention
+from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+from test_engine import assert_all_free, oracle, run
+from tiny import train_tokenizer
+
+GEMMA2 = {
+    "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+    "attn_logit_softcapping": 3.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,
+}
+# Adapted from mlx-lm's tests/test_models.py (see the module docstring): 4 layers, the last 2 sharing K/V.
+GEMMA3N = {
+    "model_type": "gemma3n",
+    "text_config": {
+        "model_type": "gemma3n", "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "head_dim": 32, "rms_norm_eps": 1e-05, "num_key_value_heads": 2,
+        "num_kv_shared_layers": 2, "sliding_window": 8, "max_position_embeddings": 1000,
+        "rope_local_base_freq": 1.0, "rope_theta": 1000.0, "final_logit_softcapping": 1.0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "activation_sparsity_pattern": [0.5, 0.5, 0.5, 0.5], "hidden_size_per_layer_input": 256,
+        "altup_num_inputs": 4, "altup_coef_clip": 1.0, "altup_correct_scale": True, "altup_active_idx": 0,
+        "laurel_rank": 8,
+    },
+}
+GEMMA4 = {
+    "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_global_key_value_heads": 2, "head_dim": 16,
+    "global_head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0,
+}
+GPT_BIGCODE = {
+    "model_type": "gpt_bigcode", "n_embd": 64, "n_layer": 2, "n_inner": 128, "n_head": 4, "n_positions": 512,
+    "layer_norm_epsilon": 1e-5,
+}
+# MLA (multi-head latent attention), the next two adapted from mlx-lm's tests/test_models.py.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
+    "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 4,
+    "q_lora_rank": 4, "qk_rope_head_dim": 32, "v_head_dim": 16, "qk_nope_head_dim": 32,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+GLM4_MOE_LITE = {
+    "model_type": "glm4_moe_lite", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": 8,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+    "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 256, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000.0, "attention_bias": False, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+}
+KIMI_K25 = {"model_type": "kimi_k25", "text_config": dict(DEEPSEEK_V3)}
+# family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
+# and tie the head, so large weights make them repeat the last token; these give varied greedy output.
+FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
+            "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
+            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0)}
+
+
+def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
+    """Write a random-weight mlx-lm model directory for `config` (vocab set from the tiny tokenizer)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text["vocab_size"] = config["vocab_size"] = len(vocab) + 3
+    if text["model_type"] in ("gemma3n", "gemma4_text"):
+        text["vocab_size_per_layer_input"] = len(vocab) + 3
+    config.update(eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|endoftext|>"], torch_dtype="float32")
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    params = {k: (mx.random.normal(v.shape) * (0.02 if v.ndim == 1 and "bias" in k else std)
+                  if v.ndim > 1 or "bias" in k else v + norm_std * mx.random.normal(v.shape)).astype(mx.float32)
+              for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """family(name, **config overrides) -> (model, tokenizer), built and loaded once."""
+    import mlx_lm
+
+    built = {}
+
+    def get(name, **overrides):
+        key = (name, tuple(sorted(overrides.items())))
+        if key not in built:
+            config, std, norm_std = FAMILIES[name]
+            config = {**config, **overrides}
+            built[key] = mlx_lm.load(str(build_model(tmp_path_factory.mktemp(name), config, std, norm_std=norm_std)))
+        return built[key]
+
+    return get
+
+
+def prompts_for(name):
+    rng = random.Random(name)
+    return [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 23, 12, 40)]
+
+
+def serve(model, tok, prompts, num_blocks, max_tokens=16):
+    """Four staggered arrivals, 16-token steps (chunked prefill), greedy; -> (engine, token ids per prompt)."""
+    engine = LLMEngine(model, tok, None, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
+                       max_num_seqs=4)
+    results = run(engine, [(step, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+                           for i, (step, p) in enumerate(zip((0, 0, 1, 3), prompts))])
+    assert_all_free(engine)
+    return engine, [results[f"r{i}"][0].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_mlx_lm_batched_and_preempted(family, name):
+    model, tok = family(name)
+    prompts = prompts_for(name)
+    want = [oracle(model, p, 16)[0] for p in prompts]
+    assert sum(len(set(w)) for w in want) > 20, "greedy output too repetitive to test anything"
+    engine, got = serve(model, tok, prompts, num_blocks=80)
+    assert engine.scheduler.num_preemptions == 0
+    assert got == want
+    # 15 usable 4-token blocks: the 40-token prompt's 56 tokens fit, all four together do not.
+    engine, got = serve(model, tok, prompts, num_blocks=16)
+    assert engine.scheduler.num_preemptions > 0
+    assert got == want
+
+
+def test_gemma2_softcap_is_what_decides(family):
+    """Without soft-capping (a cap too large to bite) the same weights decode differently."""
+    model, _ = family("gemma2")
+    loose, _ = family("gemma2", attn_logit_softcapping=1e4)
+    prompts = prompts_for("gemma2")
+    assert any(oracle(model, p, 16)[0] != oracle(loose, p, 16)[0] for p in prompts)
+    assert [s.window for s in inspect_model(model, "gemma2")] == [None, None]  # mlx-lm's gemma2: no window
+
+
+@pytest.mark.parametrize("name", ["gemma3n", "gemma4_text"])
+def test_kv_sharing_pages_once(family, name):
+    model, tok = family(name)
+    specs = inspect_model(model, name)
+    # 4 layers, the last 2 reuse layers 0 (sliding, window 8) and 1 (full): two pools.
+    assert [s.window for s in specs] == [8, None]
+    engine = LLMEngine(model, tok, None, num_blocks=8, block_size=4)
+    assert len(engine.runner.caches) == 2 and engine.runner.batch_decode
+    view = SharedKVView(engine.runner.caches[1])
+    assert view.nbytes == 0 and view.state == [] and view.window is None
+    k = mx.ones((1, 2, 1, specs[1].k_head_dim))
+    assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_mla_pages_the_compressed_latent(family, name):
+    model, tok = family(name)
+    cfg = FAMILIES[name][0]
+    specs = inspect_model(model, name)
+    # One "KV head" per token: the latent (kv_lora_rank) and the rope key, not n_heads expanded K/V.
+    assert {(s.n_kv_heads, s.k_head_dim, s.v_head_dim) for s in specs} == {
+        (1, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])}
+    expanded = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"])
+    assert specs[0].bytes_per_token() == 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) < 4 * expanded
+
+
+def test_gpt_bigcode_runs_one_row_per_forward(family):
+    model, _ = family("gpt_bigcode")
+    assert not batched_offsets_work(model) and not supports_batched_offsets(model)
+    gemma4, _ = family("gemma4_text")  # per-row rope offsets (a (B,) array) are fine there
+    assert supports_batched_offsets(gemma4)
+
+
+# ---------------------------------------------------------------- soft-capping in the attention paths
+
+
+def softcapped_numpy(args, softcap):
+    """Direct NumPy: each row's visible keys, tanh-capped scores, softmax, @ V."""
+    q, kp, vp = (np.array(args[k], dtype=np.float64) for k in ("queries", "k_pool", "v_pool"))
+    tables, BS, W = np.array(args["block_tables"]), args["block_size"], args.get("window")
+    B, H, QL, D = q.shape
+    out = np.zeros((B, H, QL, vp.shape[-1]))
+    for b, C in enumerate(args["context_lens"]):
+        slots = [tables[b, pos // BS] * BS + pos % BS for pos in range(C)]
+        for h in range(H):
+            kvh = h // (H // kp.shape[0])
+            for i in range(QL):
+                p = C - QL + i
+                seen = [j for j in range(C) if j <= p and (W is None or j > p - W)]
+                s = kp[kvh, [slots[j] for j in seen]] @ q[b, h, i] * args["scale"]
+                s = np.tanh(s / softcap) * softcap
+                w = np.exp(s - s.max())
+                out[b, h, i] = w @ vp[kvh, [slots[j] for j in seen]] / w.sum()
+    return out
+
+
+CASES = [  # (context_lens, q_len, window, contiguous blocks)
+    ([37], 1, None, True), ([37], 5, None, True), ([37], 20, None, False), ([30], 3, 7, False),
+    ([9, 40, 17], 1, None, False), ([12, 33], 4, 10, False),
+]
+
+
+@pytest.mark.parametrize("context_lens,q_len,window,contiguous", CASES)
+def test_reference_softcap_matches_direct_computation(context_lens, q_len, window, contiguous):
+    args = ma.random_problem(len(context_lens) * 10 + q_len, context_lens=context_lens, q_len=q_len, n_heads=4,
+                             n_kv_heads=2, head_dim=16, block_size=4, window=window)
+    args["queries"] = args["queries"] * 4  # scores around +-8: a cap of 2 bites hard
+    if contiguous:  # blocks handed out in order: the one-slice path
+        args["block_tables"] = mx.arange(1, 1 + args["block_tables"].shape[1])[None].astype(mx.int32)
+    want = softcapped_numpy(args, 2.0)
+    got = paged_attention(**args, softcap=2.0)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, softcap=2.0, n_partitions=3)), want,
+                               rtol=2e-5, atol=2e-5)
+    assert not np.allclose(np.array(paged_attention(**args)), want, atol=1e-2)  # the cap changed the answer
+
+
+def test_metal_kernel_softcap_in_emulator(tmp_path):
+    """METAL_SOURCE with soft-capping, compiled as C++ and run in tests/test_metal_attention.py's emulator."""
+    import ctypes
+    import math
+    import shutil
+    import subprocess
+
+    from test_metal_attention import SHIM, emulator_cpp, mlx_generated_source
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the Metal-source emulator")
+    args = ma.random_problem(5, context_lens=[3 * 8 + 2, 8, 45], q_len=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                             block_size=8, window=13, softcap=2.0)
+    args["queries"] = args["queries"] * 4
+    launch = ma.kernel_launch(**args, n_simdgroups=2)
+    assert float(launch["inputs"][ma.INPUT_NAMES.index("softcap")][0]) == 2.0
+    src = mlx_generated_source(ma.build_kernel(), launch, tmp_path)
+    (tmp_path / "k.cpp").write_text(SHIM + emulator_cpp("cap", src))
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-o",
+                            str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+
+    def emulate(launch):
+        ins = [np.ascontiguousarray(np.array(a)) for a in launch["inputs"]]
+        shapes = [np.array(a.shape, np.int32) for a in ins]
+        out = np.zeros(launch["output_shapes"][0], np.float32)
+        int_p = ctypes.POINTER(ctypes.c_int)
+        _, gy, gz = (math.ceil(g / t) for g, t in zip(launch["grid"], launch["threadgroup"]))
+        assert lib.run_cap((ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins]),
+                           (int_p * len(ins))(*[s.ctypes.data_as(int_p) for s in shapes]),
+                           ctypes.c_void_p(out.ctypes.data), gy, gz) == 0
+        return out
+
+    want = softcapped_numpy(args, 2.0)
+    np.testing.assert_allclose(emulate(launch), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, n_partitions=2)), want, rtol=1e-5, atol=1e-5)
+    # The same compiled kernel without a cap (softcap input 0) is plain attention again.
+    plain = ma.kernel_launch(**{**args, "softcap": None}, n_simdgroups=2)
+    np.testing.assert_allclose(emulate(plain), np.array(paged_attention(**{**args, "softcap": None})),
+                               rtol=1e-5, atol=1e-5)
