@@ -11,8 +11,8 @@ runs of the two interleaved (shared, noisy machines). Printed: wall time of each
 binding state slots per forward (macinfer.kv.state_cache.StateStore.bind), and the state bytes.
 
 Usage:
-    python scripts/bench_hybrid.py                      # qwen3_next, mamba2; 1, 4, 16 requests
-    python scripts/bench_hybrid.py --families lfm2 --concurrency 8 --tokens 64
+    python scripts/bench/hybrid.py                      # qwen3_next, mamba2; 1, 4, 16 requests
+    python scripts/bench/hybrid.py --families lfm2 --concurrency 8 --tokens 64
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
