@@ -109,12 +109,13 @@ def assert_all_free(engine):
 @pytest.fixture
 def uneven(monkeypatch):
     """Counts forwards whose rows have different numbers of new tokens (per-row lengths)."""
-    seen = {"uneven": 0, "forwards": 0}
+    seen = {"uneven": 0, "forwards": 0, "most_rows": 0}
     bind = state_cache.StateStore.bind
 
     def counting(self, seqs, counts, L):
         seen["forwards"] += 1
         seen["uneven"] += any(n != L for n in counts)
+        seen["most_rows"] = max(seen["most_rows"], len(seqs))
         return bind(self, seqs, counts, L)
 
     monkeypatch.setattr(state_cache.StateStore, "bind", counting)
@@ -139,6 +140,8 @@ def test_staggered_chunked_batch_matches_mlx_lm(hybrid, uneven, name):
     # mamba folds padding into its state; nemotron_h (mlx-lm 0.32.2) masks its conv but does not hand
     # `lengths` to ssm_update, so a right-padded row's SSM state is wrong: the probe finds both.
     assert engine.runner.states.honours_lengths == (name not in ("mamba", "nemotron_h"))
+    # Decode rows share forwards (a probe that swapped every layer's cache once made each row run alone).
+    assert engine.runner.batch_decode and uneven["most_rows"] >= 3
     if engine.runner.states.honours_lengths:
         assert uneven["uneven"] > 0, "no forward padded rows of different lengths"
     else:
