@@ -212,7 +212,7 @@ def test_budget_describe_and_stats(hybrid):
     assert engine.block_pool.num_blocks == ((256 << 10) - 3 * per_slot) // engine.bytes_per_block
     s = engine.kv_stats()
     assert (s["state_slots_used"], s["state_slots_free"], s["state_bytes"]) == (0, 3, 3 * per_slot)
-    assert s["prefix_cache"] is False  # NOTE in LLMEngine: off for models with state layers
+    assert s["prefix_cache"] is False and engine.config.enable_prefix_cache is False  # NOTE in LLMEngine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
     engine.step()
     assert engine.kv_stats()["state_slots_used"] == 1
