@@ -109,12 +109,13 @@ def assert_all_free(engine):
 @pytest.fixture
 def uneven(monkeypatch):
     """Counts forwards whose rows have different numbers of new tokens (per-row lengths)."""
-    seen = {"uneven": 0, "forwards": 0}
+    seen = {"uneven": 0, "forwards": 0, "most_rows": 0}
     bind = state_cache.StateStore.bind
 
     def counting(self, seqs, counts, L):
         seen["forwards"] += 1
         seen["uneven"] += any(n != L for n in counts)
+        seen["most_rows"] = max(seen["most_rows"], len(seqs))
         return bind(self, seqs, counts, L)
 
     monkeypatch.setattr(state_cache.StateStore, "bind", counting)
@@ -139,6 +140,8 @@ def test_staggered_chunked_batch_matches_mlx_lm(hybrid, uneven, name):
     # mamba folds padding into its state; nemotron_h (mlx-lm 0.32.2) masks its conv but does not hand
     # `lengths` to ssm_update, so a right-padded row's SSM state is wrong: the probe finds both.
     assert engine.runner.states.honours_lengths == (name not in ("mamba", "nemotron_h"))
+    # Decode rows share forwards (a probe that swapped every layer's cache once made each row run alone).
+    assert engine.runner.batch_decode and uneven["most_rows"] >= 3
     if engine.runner.states.honours_lengths:
         assert uneven["uneven"] > 0, "no forward padded rows of different lengths"
     else:
@@ -209,7 +212,7 @@ def test_budget_describe_and_stats(hybrid):
     assert engine.block_pool.num_blocks == ((256 << 10) - 3 * per_slot) // engine.bytes_per_block
     s = engine.kv_stats()
     assert (s["state_slots_used"], s["state_slots_free"], s["state_bytes"]) == (0, 3, 3 * per_slot)
-    assert s["prefix_cache"] is False  # NOTE in LLMEngine: off for models with state layers
+    assert s["prefix_cache"] is False and engine.config.enable_prefix_cache is False  # NOTE in LLMEngine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
     engine.step()
     assert engine.kv_stats()["state_slots_used"] == 1

@@ -118,7 +118,9 @@ class LLMEngine(PipelinedSteps):
             self.runner.ctx.attention_fn = fn
         # NOTE: no prefix cache for models with recurrent state layers yet: a cached KV block is no use
         # without the state after the same tokens (state snapshots at block boundaries are a follow-up).
-        self.model_id = setup_prefix_cache(self, config) if not states else None  # None when off
+        if states:
+            config.enable_prefix_cache = False  # so config (the TUI's status, ...) says what happens
+        self.model_id = setup_prefix_cache(self, config)  # None when off
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool, self.runner)  # None: no draft
         if self.spec is not None:
