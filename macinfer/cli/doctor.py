@@ -189,16 +189,16 @@ def check_bandwidth(ctx):
     return f"peak {peak.describe()}", {"gbps": peak.gbps, "source": peak.source}
 
 
-def _needs_metal():
+def _needs_metal(why: str):
     from macinfer.kv import metal_attention as ma
 
     if not ma.metal_available():
-        raise Skip("no Metal on this host: the kernel cannot run here (the engine uses the reference attention)")
+        raise Skip(f"no Metal on this host: {why}")
 
 
 def check_kernel_self_check(ctx):
     """The Metal kernel against the engine's reference (gather + SDPA) over a grid of shapes."""
-    _needs_metal()
+    _needs_metal("the kernel cannot run here (the engine uses the reference attention)")
     import mlx.core as mx
 
     from macinfer.kv import metal_attention as ma
@@ -270,7 +270,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def check_kernel_timing(ctx):
     """One layer's decode attention, median ms: the kernel vs gather + SDPA (the reference)."""
-    _needs_metal()
+    _needs_metal("no kernel to time against SDPA (scripts/bench/attention.py times the reference alone)")
     if not ctx.get("kernel_ok"):
         raise Skip("the kernel did not pass its self-check: not timed")
     import mlx.core as mx
@@ -365,7 +365,7 @@ def doctor_cmd(as_json, quick):
     if as_json:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the one JSON object only
             results = run_checks(quick)
-        click.echo(json.dumps({"macinfer_doctor": 1, "quick": quick, "checks": results}))
+        click.echo(json.dumps({"macinfer_doctor": 1, "quick": quick, "checks": results}, default=str))
     else:  # each line as its check finishes: the decode takes a while on a CPU host
         results = run_checks(quick, lambda r: click.echo(text_line(r)))
     if any(r["status"] == FAILED for r in results):
