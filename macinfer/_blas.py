@@ -2,7 +2,7 @@
 
 The `mlx-cpu` wheel links the reference netlib BLAS (2-3 GFLOP/s sgemm). If the
 system OpenBLAS is loaded into the process first with RTLD_GLOBAL, MLX's float32
-matmuls resolve to it and prefill gets 20-50x faster (see PLATFORM.md). This must
+matmuls resolve to it and prefill gets 20-50x faster (docs/platform.md, "MLX's CPU backend"). This must
 run before the first `import mlx`; `macinfer/__init__.py` does it.
 
 Set MACINFER_NO_OPENBLAS=1 to keep the bundled BLAS (used by the benchmark that

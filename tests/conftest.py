@@ -1,10 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import macinfer  # noqa: E402,F401  (loads OpenBLAS before mlx)
+import macinfer  # noqa: F401  (loads OpenBLAS before mlx)
 
 from tiny import build_tiny_model  # noqa: E402
 

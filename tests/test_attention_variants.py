@@ -24,7 +24,7 @@ from macinfer.core.sampling import SamplingParams
 from macinfer.kv import metal_attention as ma
 from macinfer.kv.attention_variants import SharedKVView, batched_offsets_work
 from macinfer.kv.paged_attention import paged_attention
-from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from test_engine import assert_all_free, oracle, run
 from tiny import train_tokenizer
 

@@ -11,7 +11,7 @@ from macinfer.core.lm_head import SubsetHead
 from macinfer.spec.draft_model import SHIPPED_DRAFTS, load_draft
 from macinfer.errors import MacinferError
 
-# A held-out prompt kind (scripts/train_draft.py never trains on held-out topics).
+# A held-out prompt kind (scripts/train/train_draft.py never trains on held-out topics).
 PROMPT = "Write a short poem about a rainy day."
 K = 4
 # The shipped draft accepts 0.130 per drafted token at k=4 (0.329 at k=1) over 48 held-out

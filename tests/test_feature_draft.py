@@ -11,6 +11,7 @@ hits and preemption; nothing is left behind; bad drafts are refused in one line.
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import mlx_lm
@@ -235,38 +236,40 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
 
 
 def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkeypatch):
-    """scripts/train_eagle.py head: the head keeps the N of its ids the target generates most (prompt
+    """scripts/train/train_eagle.py head: the head keeps the N of its ids the target generates most (prompt
     tokens do not count; ties go to the lower id), nothing else in the file changes, and the
     narrowed draft still decodes exactly."""
     import shutil
+    import subprocess
     import sys
     from pathlib import Path
-    from types import SimpleNamespace
 
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import train_eagle
-
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train" / "train_eagle.py"
     data = tmp_path / "data"
     data.mkdir()
+
+    def head(where, n):  # the script as a user runs it, on this test's data
+        return subprocess.run([sys.executable, str(script), "head", "--draft", str(where), "--head-vocab", str(n)],
+                              capture_output=True, text=True, env={**os.environ, "MACINFER_DRAFT_DATA": str(data)})
+
     # Continuations: 10 x3, 6 x2, 8 x2, 12 x1, 13 (not a kept id: odd) x5. Prompt tokens: 2, 4 x9.
     seqs = [([2, 4, 4, 10, 6, 13, 13], 3), ([4, 4, 4, 10, 8, 8, 13, 13], 3), ([4, 4, 4, 10, 6, 12, 13], 3)]
-    monkeypatch.setattr(train_eagle.td, "CACHE", data)
     draft = tmp_path / "draft"
     shutil.copytree(fm["draft"], draft)
     before = mx.load(str(draft / "model.safetensors"))
     # Bad input: one line each, and the draft is left as it was.
     for where, n, says in ((tmp_path, 6, "not a feature draft"), (draft, 10**6, "--head-vocab must be"),
                            (draft, 6, "no training continuations")):
-        with pytest.raises(SystemExit, match=says):
-            train_eagle.cmd_head(SimpleNamespace(draft=str(where), head_vocab=n))
+        res = head(where, n)
+        assert res.returncode == 1 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert mx.array_equal(mx.load(str(draft / "model.safetensors"))["macinfer.head_ids"], before["macinfer.head_ids"])
     rows = sum(len(s) - 1 for s, _ in seqs)  # a shard as train_draft.py data writes it
     np.savez(data / "train-greedy-96-0000.npz", tokens=np.array(sum((s for s, _ in seqs), []), np.int32),
              lens=np.array([len(s) for s, _ in seqs]), n_prompt=np.array([n for _, n in seqs]),
              topi=np.zeros((rows, 16), np.int32), topl=np.zeros((rows, 16), np.float16))
-    train_eagle.cmd_head(SimpleNamespace(draft=str(draft), head_vocab=6))
+    assert head(draft, 6).returncode == 0
     after = mx.load(str(draft / "model.safetensors"))
     assert after["macinfer.head_ids"].tolist() == [0, 2, 6, 8, 10, 12]  # 10, 6, 8, 12 by count, then 0, 2
     assert set(after) == set(before) and all(mx.array_equal(after[k], before[k]).item()

@@ -5,6 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from macinfer import units
 from macinfer.perf import kv_calc
 from macinfer.cli.main import main
 
@@ -64,15 +65,15 @@ def test_model_directory_measures_weight_files_and_matches_loader(tiny_models):
 
 
 def test_parsing_units():
-    assert kv_calc.parse_bytes("64GB") == 64 * 10**9
-    assert kv_calc.parse_bytes("24GiB") == 24 * 2**30
-    assert kv_calc.parse_bytes("1.5 gb") == 1_500_000_000
+    assert units.parse_bytes("64GB") == 64 * 10**9
+    assert units.parse_bytes("24GiB") == 24 * 2**30
+    assert units.parse_bytes("1.5 gb") == 1_500_000_000
     assert kv_calc.parse_tokens("8k") == 8192 and kv_calc.parse_tokens("128K") == 131072
     assert kv_calc.parse_tokens("100000") == 100_000
     assert kv_calc.fmt_bytes(32_768_000_000) == "32.8 GB" and kv_calc.fmt_bytes(327_680) == "328 KB"
     for bad in ("lots", "12XB", ""):
         with pytest.raises(kv_calc.MacinferError):
-            kv_calc.parse_bytes(bad)
+            units.parse_bytes(bad)
     with pytest.raises(kv_calc.MacinferError):
         kv_calc.parse_tokens("0")
 

@@ -509,7 +509,7 @@ def test_bench_script_runs_without_metal(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench/attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -525,7 +525,7 @@ def test_bench_script_end_to_end_decode(capsys, tiny_models):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_attention.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench/attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

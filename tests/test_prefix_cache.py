@@ -277,6 +277,29 @@ def test_corrupt_and_foreign_files_are_rejected_with_one_warning(load, tmp_path)
     assert meta["model_id"] == first.model_id
 
 
+@pytest.mark.parametrize("damage", ["flip one byte", "scale the values"])
+def test_damaged_tensor_data_is_rejected_not_decoded(load, tmp_path, damage):
+    """A file whose metadata is intact but whose K/V bytes changed is never loaded: the output
+    stays mlx-lm's and the block is recomputed (without the digest it loaded and decoded garbage)."""
+    model, tok = load("llama")
+    prompt = list(range(50, 75))  # 6 full blocks of 4
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = oracle(model, prompt, 6)[0]
+    first = persistent(model, tok, tmp_path)
+    run(first, [(0, prompt, params, "a")])
+    path = tmp_path / first.model_id / f"{hash_blocks(bytes.fromhex(first.model_id), prompt, 4)[1].hex()}.safetensors"
+    if damage == "flip one byte":
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40  # inside the last tensor's data
+        path.write_bytes(bytes(data))
+    else:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        mx.save_safetensors(str(path), {k: v * 4 for k, v in arrays.items()}, metadata=meta)
+    with pytest.warns(RuntimeWarning, match="does not match its checksum"):
+        out = run(persistent(model, tok, tmp_path), [(0, prompt, params, "a")])["a"][0]
+    assert out.metrics.cached_tokens == 4 and out.token_ids == want  # block 0 only, then recomputed
+
+
 def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path, monkeypatch):
     import json
 
@@ -320,7 +343,7 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     h, ids_ = b"\x01" * 32, [5, 6, 7, 8]
     assert store.save([(h, ids_, 3)]) == 1  # block 3 = slots 12..15
     arrays, meta = mx.load(str(tmp_path / "m" / f"{h.hex()}.safetensors"), return_metadata=True)
-    assert meta["format"] == FORMAT == "macinfer-prefix-block/1"
+    assert meta["format"] == FORMAT == "macinfer-prefix-block/2"
     assert arrays["k.0"].shape == (bs, H, D)
     assert mx.array_equal(arrays["k.0"], full[0][:, 12:16].transpose(1, 0, 2)).item()
 

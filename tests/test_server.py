@@ -142,6 +142,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "temperature": "hot"}, 400, "temperature"),
     ({**CHAT, "top_p": 1.5}, 400, "top_p"),
     ({**CHAT, "top_k": -1}, 400, "top_k"),
+    ({**CHAT, "seed": 2**64}, 400, "seed"),
     ({**CHAT, "n": 3}, 400, "n"),
     ({**CHAT, "logprobs": True}, 400, "logprobs"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -221,27 +222,3 @@ def test_serve_cli_help_and_one_line_error():
     r = CliRunner().invoke(main, ["serve", "/no/such/model", "--port", "0"])
     assert r.exit_code != 0 and "no such model" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
-
-
-def test_serial_fallback_engine_is_exact_but_not_batched(tiny_models):
-    from macinfer.serve.async_engine import AsyncEngine, SerialEngine
-    from macinfer.core.sampling import SamplingParams
-
-    path = tiny_models("llama")
-    llm = LLM(str(path), num_blocks=65)
-    aengine = AsyncEngine(SerialEngine(llm)).start()
-    _, tok = mlx_lm_load(str(path))
-    prompts = [tok.encode("The quick brown fox"), tok.encode("Paged attention stores")]
-
-    async def one(ids):
-        return [t async for d in aengine.generate(ids, SamplingParams(max_tokens=12)) for t in d.token_ids]
-
-    async def main():
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-    try:
-        got = asyncio.run(main())
-    finally:
-        aengine.shutdown()
-    assert got == [mlx_lm_greedy(path, p, 12) for p in prompts]
-    assert aengine.peak_batch == 1

@@ -157,14 +157,14 @@ def test_subset_head_drafts_from_its_kept_columns(models):
                            draft=path, num_speculative_tokens=3, adaptive_speculation=False)
         drafter = engine.spec.drafter
         assert isinstance(drafter, DraftModelDrafter) and drafter.head is not None
-        widths, forward = [], drafter.runner._forward
+        widths, forward = [], drafter.runner.forward
 
-        def spy(sched, forward=forward, widths=widths):
-            logits = forward(sched)
+        def spy(sched, forward=forward, widths=widths, **kw):
+            logits = forward(sched, **kw)
             widths.append(logits.shape[-1])
             return logits
 
-        drafter.runner._forward = spy
+        drafter.runner.forward = spy
         if not narrow:
             drafter.head = None  # the full-width path: SubsetHead's -inf-padded logits
         out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(m["prompts"])])

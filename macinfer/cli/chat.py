@@ -12,7 +12,7 @@ import click
               help="Longest reply in tokens (/max-tokens).")
 @click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Sampling temperature; 0 is greedy (/temp).")
-@click.option("--seed", type=click.IntRange(min=0), help="Random seed for reproducible sampling.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")

@@ -107,7 +107,7 @@ def stats_line(s: dict) -> str:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling threshold in (0, 1].")
 @click.option("--top-k", default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
 @click.option("--min-p", default=0.0, show_default=True, help="Drop tokens below min-p x p(top token) (0: off).")
-@click.option("--seed", type=int, help="Random seed for reproducible sampling.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
@@ -172,7 +172,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     if draft and no_draft:
         raise MacinferError("--draft and --no-draft contradict each other: pick one")
     # NOTE: no draft unless asked: `macinfer run` loads the 4-bit model, whose verify pass costs
-    # ~k single-token steps on a CPU host (PLATFORM.md), and the shipped SmolLM2 draft agrees with
+    # ~k single-token steps on a CPU host (docs/platform.md), and the shipped SmolLM2 draft agrees with
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
@@ -215,6 +215,7 @@ def _register_optional_commands():
         ("macinfer.cli.quantize", ("quantize_cmd", "eval_cmd")),
         ("macinfer.cli.serve", ("serve_cmd", "bench_cmd", "kv_cmd")),
         ("macinfer.cli.chat", ("chat_cmd",)),
+        ("macinfer.cli.doctor", ("doctor_cmd",)),
     ):
         try:
             mod = importlib.import_module(module)

@@ -11,6 +11,7 @@ import json
 import click
 
 from macinfer.errors import MacinferError
+from macinfer.units import parse_bytes
 
 
 def _one_line_errors(f):
@@ -214,7 +215,7 @@ def kv_cmd(model, memory, contexts, concurrency, kv_bits, kv_group_size, block_s
     from macinfer.perf import kv_calc
 
     m = kv_calc.resolve_kv_model(model)
-    mem = kv_calc.parse_bytes(memory) if memory else kv_calc.machine_memory()
+    mem = parse_bytes(memory) if memory else kv_calc.machine_memory()
     ctxs = _csv(contexts, kv_calc.parse_tokens)
     if not ctxs:
         raise MacinferError("--context needs at least one length, e.g. 8k,128k")

@@ -4,7 +4,7 @@ One file per block, named by its block hash, in a directory per model identity:
 
     <cache_dir()>/prefix/<model id>/<block hash hex>.safetensors
         tensors   k.0 v.0 k.1 v.1 ...   each (block_size, n_kv_heads, head_dim), the pool dtype
-        metadata  format, model_id, block_hash, token_ids (JSON)
+        metadata  format, model_id, block_hash, token_ids (JSON), digest (of the tensor bytes)
 
 NOTE: the file layout is token-major whatever the in-memory pool layout is (the
 pools are head-major slots since macinfer.kv.paged_attention moved to them): save and
@@ -21,8 +21,11 @@ Design choices:
   so a crash or a concurrent process never leaves a half-written file under a
   block's name.
 - Every load is checked against what the caller expects: model id, hash, token
-  ids, tensor names, shapes and dtypes. A file that fails (corrupt, from another
-  model, truncated) is never used: one warning, and the file is deleted.
+  ids, tensor names, shapes and dtypes, and the tensor bytes against the digest
+  saved with them (a flipped byte or rescaled values would otherwise decode as
+  garbage). A file that fails (corrupt, from another model, truncated, an older
+  format) is never used: one warning, and the file is deleted. Files are fsynced
+  before they take a block's name.
 - The whole tier (every model's directory under the root) is bounded by
   `max_bytes`: least recently used files go first, whichever model they belong
   to, so the directories of deleted models drain away. Use = a save or a load,
@@ -31,6 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -39,10 +43,21 @@ from collections import OrderedDict
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from macinfer.kv.paged_attention import block_slots
 
-FORMAT = "macinfer-prefix-block/1"
+FORMAT = "macinfer-prefix-block/2"  # /2: a digest of the tensor bytes in the metadata
+
+
+def digest(arrays: dict[str, mx.array]) -> str:
+    """A checksum of the arrays' names, shapes and bytes (any dtype), in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}{a.shape}{a.dtype}".encode())
+        h.update(np.asarray(a.view(mx.uint8)).tobytes())
+    return h.hexdigest()
 
 
 class DiskPrefixStore:
@@ -147,6 +162,8 @@ class DiskPrefixStore:
                     return self._reject(name, f"tensor {kind}.{i} is missing or has the wrong shape/dtype")
         if len(arrays) != 2 * len(self.caches):
             return self._reject(name, "unexpected tensors")
+        if meta.get("digest") != digest(arrays):
+            return self._reject(name, "its tensor data does not match its checksum (corrupt)")
         return arrays
 
     def load(self, blocks: list[tuple[bytes, list[int], int]]) -> int:
@@ -216,11 +233,14 @@ class DiskPrefixStore:
                 arrays[f"k.{i}"], arrays[f"v.{i}"] = ks[i][j], vs[i][j]
             name = block_hash.hex()
             meta = {"format": FORMAT, "model_id": self.model_id, "block_hash": name,
-                    "token_ids": json.dumps(list(token_ids)), "saved_at": str(int(time.time()))}
+                    "token_ids": json.dumps(list(token_ids)), "saved_at": str(int(time.time())),
+                    "digest": digest(arrays)}
             tmp = self.directory / f".{name}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "wb") as f:
                     mx.save_safetensors(f, arrays, metadata=meta)
+                    f.flush()
+                    os.fsync(f.fileno())  # durable before it takes the block's name
                 os.replace(tmp, self._path(name))
                 self._drop(name)
                 self.index[name] = (self._path(name).stat().st_size, time.time_ns())

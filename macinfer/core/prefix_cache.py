@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -120,31 +119,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def setup_prefix_cache(engine, config) -> str | None:
-    """Turn on prefix caching in engine's BlockPool (and its persistent tier) per config.
-
-    Returns:
-        The model identity, or None when the prefix cache is off.
-    """
-    if not config.enable_prefix_cache:
-        return None
-    model_id = model_identity(engine.model, engine.info, engine.specs, engine.block_size)
-    pool = engine.block_pool
-    pool.enable_caching = True
-    pool.cache_root = bytes.fromhex(model_id)
-    # NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
-    if config.persist_prefix_cache and not getattr(config, "kv_bits", None):
-        from macinfer.paths import cache_dir
-        from macinfer.engine.llm_engine import parse_memory
-        from macinfer.core.kv_store import DiskPrefixStore
-
-        root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
-        root = root.expanduser()
-        pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.caches, engine.block_size,
-                                     parse_memory(config.prefix_cache_disk_bytes))
-    return model_id
 
 
 def prefix_cache_stats(pool) -> dict:

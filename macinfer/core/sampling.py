@@ -48,6 +48,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # An empty stop string would match before every character: it stops nothing.
+        self.stop = [x for x in self.stop if x]
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
@@ -58,8 +60,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

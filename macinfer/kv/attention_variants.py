@@ -104,16 +104,16 @@ class _SharedPages(tuple):
 @contextlib.contextmanager
 def _unprobed():
     """Keep an attention call out of inspect_model's count (a sharing layer adds no cache)."""
-    saved = getattr(_pc, "_probe_calls", None)
-    _pc._probe_calls = None
+    saved = getattr(_pc, "probe_calls", None)
+    _pc.probe_calls = None
     try:
         yield
     finally:
-        _pc._probe_calls = saved
+        _pc.probe_calls = saved
 
 
 def _probing() -> bool:
-    return getattr(_pc, "_probe_calls", None) is not None
+    return getattr(_pc, "probe_calls", None) is not None
 
 
 # -- per-family subclasses ---------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class _Gemma2Attention:
         if isinstance(cache, PagedKVCache):
             out = cache.attention(queries, mask, self.scale, softcap=self.attn_logit_softcapping)
         else:  # inspect_model's probe: record this layer's K/V shapes (lazy, nothing computed)
-            out = _pc._patched_sdpa(queries, keys, values, cache, self.scale, mask)
+            out = _pc.paged_sdpa(queries, keys, values, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -273,7 +273,7 @@ class _LatentAttention:
             context = _LatentContext(cache)
             return call(context.mask(x.shape[1], self.mask_arrays), context)
         if _probing() and cache is not None:
-            calls, rec = _pc._probe_calls, _ShapeRecorder(cache)
+            calls, rec = _pc.probe_calls, _ShapeRecorder(cache)
             with _unprobed():
                 out = call(mask, rec)
             calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
@@ -395,11 +395,17 @@ def batched_offsets_work(model: nn.Module) -> bool:
     A model that turns cache.offset into a Python int (gpt_bigcode's position ids) raises
     here; the engine then gives each row its own forward.
     """
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+
+    def probe(c):  # recurrent-state layers keep their own (empty) cache: only attention reads offsets
+        if isinstance(c, ArraysCache):
+            return c
+        if isinstance(c, CacheList):
+            return CacheList(*(probe(x) for x in c.caches))
+        return _OffsetsProbeCache(mx.array([3, 5], dtype=mx.int32))
 
     try:
-        n = len(make_prompt_cache(model))
-        caches = [_OffsetsProbeCache(mx.array([3, 5], dtype=mx.int32)) for _ in range(n)]
+        caches = [probe(c) for c in make_prompt_cache(model)]
         with _unprobed():
             model(mx.array([[1], [2]]), cache=caches)
     except Exception:  # noqa: BLE001 - whatever breaks, one row per forward is safe

@@ -1,6 +1,6 @@
 """The adapter that lets mlx-lm's model classes run on the paged KV cache.
 
-mlx-lm attention does, per layer (PLATFORM.md):
+mlx-lm attention does, per layer (docs/platform.md):
 
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
@@ -21,8 +21,9 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
   to mlx-lm's original (so mlx-lm keeps working in the same process).
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
-layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (state-space
-layers, chunked attention), and models that compute attention without going through
+layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (chunked
+attention; recurrent ArraysCache layers get state slots instead, see
+macinfer.kv.state_cache), and models that compute attention without going through
 `scaled_dot_product_attention`, except the families `macinfer.kv.attention_variants`
 routes itself (gemma2's soft-capping, gemma3n/gemma4 KV sharing, MLA's latent). Sliding
 window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
@@ -32,11 +33,9 @@ blocks that slid out of the window is future work).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from macinfer.errors import MacinferError
 from macinfer.kv.paged_attention import paged_attention
@@ -209,92 +208,16 @@ class PagedKVCache:
         return self.k_pool.nbytes + self.v_pool.nbytes
 
 
-# -- patching the model's attention function ---------------------------------------------
-_probe_calls: list | None = None
+# -- the attention dispatch (installed by macinfer.kv.model_probe) ---------------------------
+# While inspect_model probes a model, every non-paged attention call is recorded here.
+probe_calls: list | None = None
 
 
-def _patched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+def paged_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, PagedKVCache):
         return cache.attention(queries, mask, scale, sinks)
-    if _probe_calls is not None:
-        _probe_calls.append((cache, keys.shape, values.shape, keys.dtype))
+    if probe_calls is not None:
+        probe_calls.append((cache, keys.shape, values.shape, keys.dtype))
     from mlx_lm.models.base import scaled_dot_product_attention
 
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def install_attention_patch(model: nn.Module) -> int:
-    """Route `scaled_dot_product_attention` in every module the model's classes live in.
-
-    Returns:
-        How many modules were patched (0: the model does not use mlx-lm's sdpa).
-    """
-    from mlx_lm.models import base
-
-    from macinfer.kv.attention_variants import install_attention_variants
-
-    install_attention_variants(model)  # families that attend their own way (gemma2, KV sharing)
-    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    patched = 0
-    for name in names:
-        mod = sys.modules.get(name)
-        fn = getattr(mod, "scaled_dot_product_attention", None)
-        if fn is base.scaled_dot_product_attention:
-            mod.scaled_dot_product_attention = _patched_sdpa
-            patched += 1
-        elif fn is _patched_sdpa:
-            patched += 1
-    return patched
-
-
-def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
-    """Probe the model once (lazily: nothing is computed) and describe its layers.
-
-    Raises:
-        MacinferError: naming the architecture, if any layer cannot be paged.
-    """
-    global _probe_calls
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    for c in caches:
-        if type(c) not in (KVCache, RotatingKVCache):
-            raise MacinferError(
-                f"{model_type}: layers with a {type(c).__name__} (not plain attention) cannot use the "
-                "paged KV cache yet; this architecture is not supported by the engine"
-            )
-        if isinstance(c, RotatingKVCache) and c.keep:
-            raise MacinferError(f"{model_type}: attention-sink caches (keep={c.keep}) are not supported")
-    install_attention_patch(model)
-    _probe_calls = []
-    try:
-        model(mx.array([[0, 0]]), cache=caches)  # lazy: only shapes are computed
-        calls = _probe_calls
-    except Exception as e:  # noqa: BLE001 - any failure here means we cannot page it
-        raise MacinferError(f"{model_type}: probing the model's attention failed ({type(e).__name__}: {e})") from None
-    finally:
-        _probe_calls = None
-    by_cache = {id(c): (kshape, vshape, dtype) for c, kshape, vshape, dtype in calls}
-    if len(calls) != len(caches) or any(id(c) not in by_cache for c in caches):
-        raise MacinferError(
-            f"{model_type}: its attention does not go through mlx-lm's scaled_dot_product_attention once "
-            f"per layer ({len(calls)} calls for {len(caches)} layers), so it cannot be paged safely"
-        )
-    specs = []
-    for c in caches:
-        kshape, vshape, dtype = by_cache[id(c)]
-        window = c.max_size if isinstance(c, RotatingKVCache) else None
-        specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window, dtype=dtype))
-    return specs
-
-
-def supports_batched_offsets(model: nn.Module) -> bool:
-    """Whether every RoPE in the model accepts a per-row (B,) offset array."""
-    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
-
-    from macinfer.kv.attention_variants import batched_offsets_work
-
-    # Dynamic NTK scaling computes its base from a Python max over the offset; others (gpt_bigcode's
-    # position ids) make a Python int of it, which a lazy two-row forward finds out.
-    return (not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
-            and batched_offsets_work(model))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 from pathlib import Path
 
 from macinfer.errors import MacinferError

@@ -11,7 +11,7 @@ Design choices:
   - Quality is computed with the quantised weights dequantised to float: the same
     values, up to float rounding. On hosts without Metal, quantised matmul costs
     time per row and a 1,000-token pass takes minutes; dequantised float32 with
-    OpenBLAS takes seconds (PLATFORM.md). Speed is measured on the model as loaded.
+    OpenBLAS takes seconds (docs/platform.md). Speed is measured on the model as loaded.
   - Decode speed is mlx-lm's generate_step, greedy, after a short prompt: the time
     from the first generated token to the last.
   - The default text, models/eval.txt, is plain English written for this project
@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Callable
 
 from macinfer.errors import MacinferError
-from macinfer.paths import models_dir
+from macinfer.modelio.loader import load_model
+from macinfer.modelio.quantize import bits_per_weight, describe, weight_bytes
+from macinfer.modelio.texts import encode_text, read_text
+from macinfer.units import fmt_bytes
 
-EVAL_TEXT = models_dir() / "eval.txt"
 
 
 @dataclass
@@ -44,32 +46,6 @@ class EvalResult:
     agreement: float | None  # top-1 agreement with the reference; None without one
     decode_tps: float | None
     tokens: int  # scored positions
-
-
-def read_text(path: str | Path | None) -> str:
-    path = Path(path) if path else EVAL_TEXT
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise MacinferError(f"cannot read the text {path}: {type(e).__name__}") from None
-    if not text.strip():
-        raise MacinferError(f"{path} is empty: give a text of a few hundred words or more")
-    return text
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """tokenizer.encode without transformers' warning that a long text exceeds model_max_length.
-
-    We score a long text in windows, so the warning is noise here.
-    """
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        return tokenizer.encode(text)
-    finally:
-        logging.set_verbosity(level)
 
 
 def score(model, ids: list[int], window: int = 512):
@@ -137,8 +113,6 @@ def evaluate(
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, get_total_parameters
 
-    from macinfer.modelio.loader import load_model
-    from macinfer.modelio.quantize import bits_per_weight, describe, weight_bytes
 
     model, tokenizer, info = load_model(spec)
     ids = encode_text(tokenizer, text)[: max_tokens + 1]
@@ -202,7 +176,6 @@ def table(results: list[EvalResult], title: str | None = None):
     """A rich Table of results (print it with rich.console.Console)."""
     from rich.table import Table
 
-    from macinfer.cli.quantize import fmt_bytes
 
     t = Table(title=title)
     for col in ("model", "weights", "bits/w", "size", "ppl", "top-1 agree", "decode tok/s"):
@@ -222,7 +195,6 @@ def table(results: list[EvalResult], title: str | None = None):
 
 def markdown(results: list[EvalResult]) -> str:
     """The same table as Markdown (for reports and the benchmark script)."""
-    from macinfer.cli.quantize import fmt_bytes
 
     rows = ["| model | weights | bits/w | size | ppl | top-1 agree | decode tok/s |", "|---|---|---|---|---|---|---|"]
     for r in results:

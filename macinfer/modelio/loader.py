@@ -10,7 +10,7 @@ GGUF files are converted once to an MLX directory (macinfer.modelio.gguf) and ca
 Loading itself is mlx-lm's (`load_model`, `load_tokenizer`), so every architecture
 mlx-lm knows loads here. On hosts without Metal, float16/bfloat16 parameters
 (quantisation scales included) are cast to float32: the CPU backend emulates
-half precision and is ~40x slower with it (PLATFORM.md).
+half precision and is ~40x slower with it (docs/platform.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from macinfer.errors import MacinferError
+from macinfer.modelio.texts import CALIBRATION_TEXT, encode_text
 from macinfer.paths import models_dir
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -46,7 +47,6 @@ RECIPES = {
 EMBED_BITS = 8
 HIGH_BITS = {2: 6, 3: 6, 4: 6, 5: 8, 6: 8, 8: 8}
 MODELS_DIR = models_dir()
-CALIBRATION_TEXT = MODELS_DIR / "calibration.txt"
 # Files copied from SRC next to the new weights: mlx-lm's download patterns minus the weights.
 SIDE_FILES = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
 NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json"}
@@ -237,8 +237,6 @@ def unquantizable(model, predicate, group_size: int) -> list[tuple[str, int]]:
 def calibration_tokens(tokenizer, text: str, n_tokens: int, seq_len: int):
     """(N, seq_len) token ids from the start of `text`; N = n_tokens // seq_len or fewer."""
     import mlx.core as mx
-
-    from macinfer.modelio.evaluate import encode_text
 
     ids = encode_text(tokenizer, text)
     n = min(n_tokens, len(ids)) // seq_len

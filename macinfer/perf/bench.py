@@ -145,10 +145,9 @@ class InProcessBackend:
 
     def __init__(self, llm):
         from macinfer.serve.async_engine import AsyncEngine
-        from macinfer.serve.server import make_engine
 
         self.llm = llm
-        self.aengine = AsyncEngine(make_engine(llm)).start()
+        self.aengine = AsyncEngine(llm.engine).start()
 
     def prompts(self, scenario: Scenario, seed: int):
         return make_token_prompts(scenario, seed, self.llm.tokenizer)

@@ -28,6 +28,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from macinfer import units
 from macinfer.errors import MacinferError
 
 # Well-known configs (public config.json values), so `macinfer kv llama-2-70b` needs no download.
@@ -56,26 +57,6 @@ _DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float64": 64}
 
 
 # -- parsing ------------------------------------------------------------------------------
-def parse_bytes(text: str | int) -> int:
-    """'64GB' -> 64e9, '24GiB' -> 24 * 2**30, '512MB', '2e9' or a plain integer.
-
-    Example:
-        >>> parse_bytes("1.5GB")
-        1500000000
-    """
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)\s*", str(text), re.I)
-    if not m:
-        raise MacinferError(f"cannot read '{text}' as a size: write e.g. 64GB, 24GiB or 512MB")
-    value, unit = float(m.group(1)), m.group(2).lower().rstrip("b")
-    if unit and unit[0] not in "kmgt":
-        raise MacinferError(f"cannot read '{text}' as a size: write e.g. 64GB, 24GiB or 512MB")
-    power = "kmgt".index(unit[0]) + 1 if unit else 0
-    base = 1024 if unit.endswith("i") else 1000
-    return int(round(value * base**power))
-
-
 def parse_tokens(text: str | int) -> int:
     """'8k' -> 8192, '128K' -> 131072, '1m' -> 1048576, '100000' -> 100000."""
     if isinstance(text, int):
@@ -92,11 +73,7 @@ def parse_tokens(text: str | int) -> int:
 
 def fmt_bytes(n: float) -> str:
     """Decimal units, 3 significant figures: 327680 -> '328 KB', 3.2768e10 -> '32.8 GB'."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n} TB"  # pragma: no cover
+    return units.fmt_bytes(n, digits=3)
 
 
 def machine_memory() -> int:

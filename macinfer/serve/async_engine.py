@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
 from typing import AsyncIterator, Callable
 
 from macinfer.core.outputs import StreamDelta
@@ -43,7 +42,7 @@ class AsyncEngine:
     Args:
         engine: anything with `add_request(prompt_token_ids, params, request_id=None)`,
             `abort_request(request_id)`, `step() -> list[StreamDelta]` and `has_unfinished()`
-            (macinfer.engine.LLMEngine, or SerialEngine below).
+            (macinfer.engine.llm_engine.LLMEngine).
         on_step: called on the engine thread after each step with (seconds, deltas).
 
     Example:
@@ -183,44 +182,3 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
-
-
-class SerialEngine:
-    """NOT continuous batching: an engine-shaped adapter over `LLM.stream`, one request at a time.
-
-    The fallback when macinfer.engine.llm_engine is unavailable: requests queue first come, first
-    served, and each step advances the running request by one delta.
-    """
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.waiting: deque = deque()
-        self.current: tuple[str, object] | None = None
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        self.llm.info.check_context(len(prompt_token_ids))
-        rid = request_id or uuid.uuid4().hex
-        self.waiting.append((rid, list(prompt_token_ids), params, time.perf_counter()))
-        return rid
-
-    def abort_request(self, request_id: str) -> None:
-        if self.current and self.current[0] == request_id:
-            self.current[1].close()
-            self.current = None
-        self.waiting = deque(w for w in self.waiting if w[0] != request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.current or self.waiting)
-
-    def step(self) -> list[StreamDelta]:
-        if self.current is None:
-            rid, ids, params, arrival = self.waiting.popleft()
-            self.current = (rid, self.llm.stream(ids, params), arrival)
-        rid, gen, arrival = self.current
-        d = next(gen)
-        d.request_id = rid
-        if d.output is not None:
-            d.output.request_id = rid
-            d.output.metrics.arrival_time = arrival  # queueing counts towards TTFT
-            self.current = None
-        return [d]

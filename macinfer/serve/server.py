@@ -307,7 +307,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     """
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
-    aengine = AsyncEngine(engine or make_engine(llm), on_step=metrics.observe_step)
+    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
     metrics.attach(aengine)
     server = Server(llm, aengine, model_name, metrics)
 
@@ -379,17 +379,6 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         return PlainTextResponse(body, media_type=content_type)
 
     return app
-
-
-def make_engine(llm):
-    """The continuous-batching engine behind `llm`; SerialEngine (no batching) if there is none."""
-    engine = getattr(llm, "engine", None)
-    if engine is not None:
-        return engine
-    from macinfer.serve.async_engine import SerialEngine
-
-    log.warning("macinfer.engine.llm_engine is unavailable: serving one request at a time (no batching)")
-    return SerialEngine(llm)
 
 
 def run(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, log_level: str = "info") -> None:

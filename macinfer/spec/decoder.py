@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from macinfer.spec.drafter import Drafter
-from macinfer.errors import MacinferError
 from macinfer.spec.rejection import greedy_verify, rejection_sample
 from macinfer.core.sequence import Sequence, SequenceStatus
 

@@ -21,7 +21,7 @@ a draft can never propose the others, which only ever costs acceptance, never ex
 
 Either mismatch is a one-line ``MacinferError``. On hosts without Metal, half-precision
 parameters are cast to float32 (and a quantised full draft is dequantised by default): the CPU
-backend emulates float16 and its quantised matmul is slow (see PLATFORM.md).
+backend emulates float16 and its quantised matmul is slow (docs/platform.md, "MLX's CPU backend").
 """
 
 from __future__ import annotations

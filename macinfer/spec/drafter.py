@@ -45,7 +45,7 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.scheduler import ScheduledSequence
 from macinfer.core.sequence import Sequence
-from macinfer.kv.paged_cache import inspect_model, supports_batched_offsets
+from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 
 
 class Drafter(Protocol):
@@ -98,7 +98,7 @@ class NgramDrafter:
     The offer is trusted as far as the copy has held: the latest earlier occurrence of
     the last n tokens (n = 4 down to 2) is extended backwards to the match length m (how
     many tokens before the end agree with the tokens before that occurrence), and at most
-    m tokens are offered. On the held-out chat continuations of scripts/train_draft.py,
+    m tokens are offered. On the held-out chat continuations of scripts/train/train_draft.py,
     SmolLM2-135M's first drafted token was right 42% of the time at m = 2, 58-61% at m = 3-5
     and 88-100% from m = 8 (a repeated list, a quoted block): so the acceptance is tracked
     per match-length bucket (`kind`), with those rates as priors.
@@ -182,7 +182,7 @@ class NgramDrafter:
 class LookupDrafter:
     """n-gram lookup where the sequence is copying itself, a model draft everywhere else.
 
-    A small model's drafts are right ~35-45% of the time on chat (scripts/train_eagle.py);
+    A small model's drafts are right ~35-45% of the time on chat (scripts/train/train_eagle.py);
     a copy that has held for a few tokens is right far more often (NgramDrafter) and costs
     no draft round. So each step, each row drafts by lookup if its match length is at least
     `min_match`, else with the model. `draft="<model>+ngram"`; the default ("auto") for a
@@ -333,13 +333,8 @@ class DraftModelDrafter:
     def _forward(self, sched: list) -> mx.array:
         """Each row's next-token logits: (B, V), or (B, N) over the kept columns of a SubsetHead."""
         if self.head is None:
-            return self.runner._forward(sched)
-        # The graph is built inside the call, so the narrow head is in place only while it is.
-        self.model.lm_head = lambda h: h @ self.head.weight.T
-        try:
-            return self.runner._forward(sched)
-        finally:
-            self.model.lm_head = self.head
+            return self.runner.forward(sched)
+        return self.runner.forward(sched, head=lambda h: h @ self.head.weight.T)
 
     def remove(self, request_id: str) -> None:
         st = self.states.pop(request_id, None)

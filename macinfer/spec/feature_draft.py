@@ -26,7 +26,7 @@ read past the target's `num_computed_tokens`. Positions the target never ran (a 
 served from the prefix cache) have no features: the draft's context then starts after them.
 
 Li, Wei, Zhang, Zhang: "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
-(ICML 2024). The draft for the embedded SmolLM2 is built by scripts/train_eagle.py.
+(ICML 2024). The draft for the embedded SmolLM2 is built by scripts/train/train_eagle.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import mlx.nn as nn
 from macinfer.core.block_pool import BlockPool
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.core.model_runner import ModelRunner
-from macinfer.kv.paged_cache import inspect_model
+from macinfer.kv.model_probe import inspect_model
 from macinfer.spec.drafter import STEADY_TOKENS, pick_kept
 from macinfer.errors import MacinferError
 from macinfer.core.sequence import Sequence
@@ -244,19 +244,9 @@ class FeatureDrafter:
 
     def _run(self, sts: list[_FeatState], tokens: list[list[int]], feats: list[mx.array]) -> mx.array:
         """One draft forward: rows padded at the end to the longest -> each row's last f^ (B, D)."""
-        bs = self.pool.block_size
-        L = max(len(t) for t in tokens)
+        starts = [st.num_computed_tokens for st in sts]
+        L = self.runner.set_context([st.block_table for st in sts], starts, [len(t) for t in tokens])
         D = feats[0].shape[-1]
-        blocks, slots, starts = [], [], []
-        for st, t in zip(sts, tokens):
-            start = st.num_computed_tokens
-            for p in range(start, start + len(t)):
-                blocks.append(st.block_table[p // bs])
-                slots.append(p % bs)
-            blocks += [0] * (L - len(t))
-            slots += [0] * (L - len(t))
-            starts.append(start)
-        self.runner._set_context(starts, L, [st.block_table for st in sts], blocks, slots)
         x = mx.array([t + [0] * (L - len(t)) for t in tokens], dtype=mx.int32)
         f = mx.stack([a if a.shape[0] == L else mx.concatenate([a, mx.zeros((L - a.shape[0], D), a.dtype)])
                       for a in feats])
@@ -271,7 +261,7 @@ class FeatureDrafter:
         """Draft up to num_draft[i] tokens per row; a row's chain stops early where the draft is unsure.
 
         The draft's confidence (its top probability, well calibrated on held-out text: see
-        scripts/train_eagle.py) times that of the drafts before it is the chance the whole chain
+        scripts/train/train_eagle.py) times that of the drafts before it is the chance the whole chain
         so far is accepted; below `min_joint` one more token would cost more verify and draft
         time than it is expected to save, so the chain stops there (EAGLE-2's rule, on a chain).
         The rule looks at the draft's distribution, never at the token drawn from it, so a

@@ -11,7 +11,7 @@ Two models:
 Each row is a `macinfer quantize` run followed by `macinfer eval` against the
 reference; the baseline is the reference row measured in the same run.
 
-    python scripts/bench_quantize.py [--only tiny|embedded] [--method rtn|awq] [--eval-tokens 512] [--awq-grid 10]
+    python scripts/bench/quantize.py [--only tiny|embedded] [--method rtn|awq] [--eval-tokens 512] [--awq-grid 10]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import macinfer  # noqa: F401  (OpenBLAS before mlx)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 # (bits, group size, recipe, awq)
@@ -69,7 +69,7 @@ HEADER = ("| weights | recipe | method | bits/w | size | ppl | ppl / ref | top-1
 
 
 def row(r, ref, recipe: str, method: str, seconds: float | None) -> str:
-    from macinfer.cli.quantize import fmt_bytes
+    from macinfer.units import fmt_bytes
 
     tps = "-" if r.decode_tps is None else f"{r.decode_tps:.1f}"
     secs = "-" if seconds is None else f"{seconds:.0f}"
@@ -79,7 +79,8 @@ def row(r, ref, recipe: str, method: str, seconds: float | None) -> str:
 
 def run(label: str, src: str, rows, work: Path, text: Path | None, calibration: Path | None,
         eval_kw: dict, awq_kw: dict) -> None:
-    from macinfer.modelio.evaluate import evaluate, read_text
+    from macinfer.modelio.evaluate import evaluate
+    from macinfer.modelio.texts import read_text
     from macinfer.modelio.quantize import QuantConfig, quantize
 
     body = read_text(text)

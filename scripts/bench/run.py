@@ -9,7 +9,7 @@ measures the engines, not the loaders.
 Prefill with/without OpenBLAS runs in subprocesses, since BLAS is chosen at
 process start (MACINFER_NO_OPENBLAS=1 keeps the bundled reference BLAS).
 
-Usage: python scripts/bench_run.py [--model smollm2-135m] [--repeats 3] [--tokens 32]
+Usage: python scripts/bench/run.py [--model smollm2-135m] [--repeats 3] [--tokens 32]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The embedded SmolLM2-135M with float32 weights (on the CPU backend a quantised
 verify of k tokens costs ~k single-token steps; float32 + OpenBLAS is nearly
-flat in tokens, like Metal: PLATFORM.md). Every figure is a ratio to plain
+flat in tokens, like Metal: docs/platform.md). Every figure is a ratio to plain
 decoding measured in the same run, the configurations interleaved per prompt:
 
   1. single stream, greedy: chat prompts, a code-editing prompt that repeats
@@ -17,7 +17,7 @@ decoding measured in the same run, the configurations interleaved per prompt:
   2. 8 concurrent requests (continuous batching), with vs without speculation
      (medians of --reps too).
 
-With --heldout N, instead: chat speed over N of scripts/train_draft.py's held-out chat
+With --heldout N, instead: chat speed over N of scripts/train/train_draft.py's held-out chat
 prompts (topics the drafts never trained on), single stream, greedy, stopping at EOS: plain,
 feature and auto, interleaved per prompt (order rotated), reported as total decoded tokens over
 total decode time per engine, and per-prompt speed-ups (min / median / max). Three fixed chat
@@ -25,10 +25,10 @@ prompts say little about chat in general; this says more, at ~25 s per prompt. -
 adds a feature draft being considered, alone and with lookup, to the same interleaved run.
 
 Usage:
-    python scripts/bench_spec.py                     # ~10 min on 2 shared cores
-    python scripts/bench_spec.py --tokens 32 --quick # fewer prompts
-    python scripts/bench_spec.py --heldout 48 --tokens 96
-    python scripts/bench_spec.py --heldout 24 --tokens 96 --candidate ~/.cache/macinfer/my-draft
+    python scripts/bench/spec.py                     # ~10 min on 2 shared cores
+    python scripts/bench/spec.py --tokens 32 --quick # fewer prompts
+    python scripts/bench/spec.py --heldout 48 --tokens 96
+    python scripts/bench/spec.py --heldout 24 --tokens 96 --candidate ~/.cache/macinfer/my-draft
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
@@ -110,7 +110,7 @@ def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
 
 def heldout_chat(args):
     """Chat speed over held-out prompts: plain vs feature vs auto, one stream (see module docstring)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "train"))
     from train_draft import heldout_prompts
 
     from macinfer.modelio.loader import load_model
@@ -179,7 +179,7 @@ def main():
         if not args.heldout:
             ap.error("--candidate goes with --heldout N")
         if not is_feature_draft(Path(args.candidate).expanduser()):
-            ap.error(f"--candidate {args.candidate} is not a feature draft directory (see scripts/train_eagle.py)")
+            ap.error(f"--candidate {args.candidate} is not a feature draft directory (see scripts/train/train_eagle.py)")
         args.candidate = str(Path(args.candidate).expanduser())
     if args.heldout:
         return heldout_chat(args)

@@ -15,8 +15,8 @@ Two measurements:
   plain greedy decoding.
 
 Usage:
-    python scripts/eval_draft.py                       # shipped draft, 48 held-out prompts, k=4
-    python scripts/eval_draft.py --draft path/to/draft --real 3
+    python scripts/train/eval_draft.py                       # shipped draft, 48 held-out prompts, k=4
+    python scripts/train/eval_draft.py --draft path/to/draft --real 3
 """
 
 from __future__ import annotations

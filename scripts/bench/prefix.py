@@ -1,6 +1,6 @@
 """Benchmark the prefix cache: TTFT with a shared prefix, warm vs cold, against mlx-lm's prompt cache.
 
-Every figure is a ratio to a baseline measured in the same run (PLATFORM.md: the
+Every figure is a ratio to a baseline measured in the same run (docs/platform.md: the
 dev machines are shared and noisy). The model is the embedded SmolLM2-135M
 dequantised to float32 with OpenBLAS (the fast configuration on a CPU host);
 `--tiny` uses a tiny random model instead (fast, for checking the script).
@@ -15,9 +15,9 @@ dequantised to float32 with OpenBLAS (the fast configuration on a CPU host);
      trimmed to the common prefix, as mlx_lm.server does).
 
 Usage:
-    python scripts/bench_prefix.py                    # ~10-20 min on 2 shared cores
-    python scripts/bench_prefix.py --tiny             # seconds
-    python scripts/bench_prefix.py --system-tokens 1000 --turns 6
+    python scripts/bench/prefix.py                    # ~10-20 min on 2 shared cores
+    python scripts/bench/prefix.py --tiny             # seconds
+    python scripts/bench/prefix.py --system-tokens 1000 --turns 6
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -30,11 +30,11 @@ Stages (seeded; data from ``train_draft.py data``, cached in ``~/.cache/macinfer
    option (chains cut by confidence, adaptive k, n-gram lookup for "auto"), per kind of draft.
 
 Usage:
-    python scripts/train_eagle.py feats
-    python scripts/train_eagle.py train --minutes 30
-    python scripts/train_eagle.py eval --draft models/smollm2-135m-eagle
-    python scripts/train_eagle.py engine --engine smollm2-135m,auto   # acceptance as deployed
-    python scripts/train_eagle.py head --head-vocab 4096   # narrow the shipped draft's head
+    python scripts/train/train_eagle.py feats
+    python scripts/train/train_eagle.py train --minutes 30
+    python scripts/train/train_eagle.py eval --draft models/smollm2-135m-eagle
+    python scripts/train/train_eagle.py engine --engine smollm2-135m,auto   # acceptance as deployed
+    python scripts/train/train_eagle.py head --head-vocab 4096   # narrow the shipped draft's head
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import macinfer  # noqa: F401  (OpenBLAS before mlx)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_draft as td  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "models" / "smollm2-135m-eagle"
 SEED = 1234
 
@@ -252,7 +252,7 @@ def cmd_train(args):
     held = load_with_feats("heldout")
     train = load_with_feats("train")
     if not train or not held:
-        sys.exit("no features: run `python scripts/train_draft.py data` then `python scripts/train_eagle.py feats`")
+        sys.exit("no features: run `python scripts/train/train_draft.py data` then `python scripts/train/train_eagle.py feats`")
     vocab = model.model.embed_tokens.weight.shape[0]
     head_ids = td.choose_head_ids([t[:4] for t in train], vocab, args.head_vocab)
     draft, cfg = build_draft(model, target_config, head_ids, args.init_layer)
@@ -345,7 +345,7 @@ def readme(cfg: dict, meta: dict, ev: dict | None = None) -> str:
     """The shipped draft's README.md: what it is, how it was made, what it measured."""
     chains = ""
     if ev:
-        chains = ("\n- **Measured** (`python scripts/train_eagle.py eval`, 48 held-out chat prompts, topics never "
+        chains = ("\n- **Measured** (`python scripts/train/train_eagle.py eval`, 48 held-out chat prompts, topics never "
                   f"trained on, greedy): top-1 agreement with the target **{ev['top1']:.3f}** (= acceptance at k = 1); "
                   "real chains of k drafts from every verified position, the draft feeding back its own "
                   "features: " + ", ".join(f"k = {r['k']}: {r['acceptance']:.3f} per drafted token, "
@@ -372,8 +372,8 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
   Load it with `macinfer.draft_model.load_draft("smollm2-135m", target_model, target_tokenizer)`;
   the engine feeds it through `macinfer.feature_draft.FeatureDrafter`. mlx-lm cannot run it (its
   speculative decoding hands a draft tokens, not hidden states).
-- **How**: `scripts/train_eagle.py` (seeded). Data: the target's own chat continuations of
-  `scripts/train_draft.py data` ({meta['n_train_seqs']} sequences{'; ' + meta['data'] if meta.get('data') else ''}), and the target's hidden state at every position
+- **How**: `scripts/train/train_eagle.py` (seeded). Data: the target's own chat continuations of
+  `scripts/train/train_draft.py data` ({meta['n_train_seqs']} sequences{'; ' + meta['data'] if meta.get('data') else ''}), and the target's hidden state at every position
   (`train_eagle.py feats`, or stored while generating: `train_draft.py data --features`). Layer initialised from target layer {meta['init_layer']}, norm from the target's
   final norm, fc = [0, I]. Loss: soft cross-entropy to the target's top-16 next-token distribution +
   hard cross-entropy to its greedy token + smooth-L1 to its real next hidden state, on a first pass
@@ -441,7 +441,7 @@ def cmd_head(args):
         sys.exit(f"error: --head-vocab must be between 1 and the draft's {len(ids):,} kept tokens")
     seqs = td.load_shards("train")
     if not seqs:
-        sys.exit(f"error: no training continuations in {td.CACHE}: run `python scripts/train_draft.py data` first")
+        sys.exit(f"error: no training continuations in {td.CACHE}: run `python scripts/train/train_draft.py data` first")
     keep = narrow_head(ids, seqs, args.head_vocab)
     weights["macinfer.head_ids"] = mx.array(keep, dtype=mx.int32)
     tmp = path / "model.tmp.safetensors"

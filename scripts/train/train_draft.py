@@ -32,10 +32,10 @@ What it does (every stage is seeded, so a rerun reproduces the data and the draf
    layers), ``README.md``. ``macinfer.draft_model.load_draft`` puts it back together.
 
 Usage:
-    python scripts/train_draft.py data            # ~10-15 min on the 2-core CPU dev box
-    python scripts/train_draft.py train --minutes 25
-    python scripts/train_draft.py all
-    python scripts/eval_draft.py                  # acceptance on the held-out prompts
+    python scripts/train/train_draft.py data            # ~10-15 min on the 2-core CPU dev box
+    python scripts/train/train_draft.py train --minutes 25
+    python scripts/train/train_draft.py all
+    python scripts/train/eval_draft.py                  # acceptance on the held-out prompts
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import macinfer  # noqa: F401  (OpenBLAS before mlx)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "models" / "smollm2-135m-draft"
 CACHE = Path(os.environ.get("MACINFER_DRAFT_DATA", Path.home() / ".cache" / "macinfer" / "draft-data"))
 TOPK = 16
@@ -501,14 +501,14 @@ A speculative-decoding draft for the embedded SmolLM2-135M-Instruct (macinfer's 
   (linear weights 8-bit affine, group 64; norms float16){ids}.
   Load it with `macinfer.draft_model.load_draft("smollm2-135m", target_model, target_tokenizer)`
   (casts to float32 on hosts without Metal).
-- **How**: `scripts/train_draft.py` (seeded, reproducible). Layers initialised from target layers
+- **How**: `scripts/train/train_draft.py` (seeded, reproducible). Layers initialised from target layers
   {layers}; trained to match the target's next-token distribution (top-{TOPK} soft cross-entropy
   + hard cross-entropy on the target's greedy token) on the target's own chat continuations:
   {meta.get('n_train_seqs', '?')} sequences / {meta.get('n_train_tokens', '?'):,} labelled positions from
   {meta.get('n_train_prompts', '?')} templated chat prompts ({meta.get('continuations', 'greedy')}
   continuations of up to {meta.get('max_new', '?')} tokens, prompt positions down-weighted).
   Adam, lr {meta.get('lr', '?')}, cosine decay, {meta.get('steps', '?')} steps, float32, {meta.get('train_minutes', '?')} min on a 2-core x86 CPU.
-- **Measured acceptance** (`python scripts/eval_draft.py`): on {acc.get('n_prompts', '?')} held-out chat prompts
+- **Measured acceptance** (`python scripts/train/eval_draft.py`): on {acc.get('n_prompts', '?')} held-out chat prompts
   (topics never trained on), greedy decoding, k = 4 drafted tokens per step:
   mean acceptance **{acc.get('acceptance', float('nan')):.3f}** per drafted token,
   **{acc.get('tokens_per_step', float('nan')):.2f}** tokens per target step
@@ -642,7 +642,7 @@ def cmd_train(args):
     held = load_shards("heldout")
     train = load_shards("train")
     if not train or not held:
-        sys.exit("no data: run `python scripts/train_draft.py data` first")
+        sys.exit("no data: run `python scripts/train/train_draft.py data` first")
     vocab = model.model.embed_tokens.weight.shape[0]
     if args.init:  # continue from a saved draft (its layers and head; 8-bit weights dequantised)
         draft = load_draft(Path(args.init), model, tokenizer)

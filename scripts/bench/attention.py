@@ -11,7 +11,7 @@ On a Mac the kernel is self-checked first (the same check the engine runs) and
 timed only if it passes. Without Metal the script says so and times the
 reference path alone. End-to-end decode tok/s is not measured here.
 
-Usage: python scripts/bench_attention.py [--contexts 1024,2048,...,32768] [--batch 1]
+Usage: python scripts/bench/attention.py [--contexts 1024,2048,...,32768] [--batch 1]
        [--heads 9 --kv-heads 3 --head-dim 64] [--block-size 16] [--layers 30]
 """
 

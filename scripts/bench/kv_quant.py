@@ -7,7 +7,7 @@ the float-KV outputs of the same run: tokens identical before the first
 difference, overall token agreement, bytes per token and pool size for a fixed
 number of tokens.
 
-Usage: python scripts/bench_kv_quant.py [--model smollm2-135m] [--tokens 24] [--dequantize]
+Usage: python scripts/bench/kv_quant.py [--model smollm2-135m] [--tokens 24] [--dequantize]
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """Benchmark the paged, continuously-batched engine against mlx-lm, side by side.
 
 Every figure is a ratio to a baseline measured in the same run, runs of the two
-sides interleaved (the dev machines are shared and noisy; PLATFORM.md):
+sides interleaved (the dev machines are shared and noisy; docs/platform.md):
 
   1. single stream decode tok/s: macinfer vs mlx_lm.stream_generate, on a tiny
      model and on the embedded default (with and without async scheduling);
   2. aggregate throughput at 1/4/16/32 concurrent requests vs mlx-lm's
      BatchGenerator on the same prompts (float32 weights: on a CPU host batching
-     only pays with float32 + OpenBLAS, see PLATFORM.md);
+     only pays with float32 + OpenBLAS, see docs/platform.md);
   3. KV memory: bytes reserved vs bytes holding live tokens, and how many 2k-token
      sequences fit in a fixed budget vs allocating each request's maximum length;
   4. Python overhead per engine step at batch 32 with a stub model runner.
 
 Usage:
-    python scripts/bench_engine.py                 # everything (~5-10 min on 2 cores)
-    python scripts/bench_engine.py --quick         # tiny model only
-    python scripts/bench_engine.py --concurrency 1,4 --tokens 16
+    python scripts/bench/engine.py                 # everything (~5-10 min on 2 cores)
+    python scripts/bench/engine.py --quick         # tiny model only
+    python scripts/bench/engine.py --concurrency 1,4 --tokens 16
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -225,7 +225,7 @@ def bench_overhead(model, tok, batch=32, steps=200):
     t0 = time.perf_counter()
     for _ in range(50):
         real.runner.ctx.offsets = None
-        real.runner._forward(sched.scheduled)  # graph only, never evaluated
+        real.runner.forward(sched.scheduled)  # graph only, never evaluated
     build = (time.perf_counter() - t0) / 50
     print(f"  engine step at batch {batch} with a stub runner (schedule + bookkeeping + detokenize): "
           f"{per_step * 1e3:.3f} ms/step")

@@ -1,0 +1,116 @@
+"""Engine options, the default KV budget, and turning on the prefix cache for an engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from macinfer.core.kv_store import DiskPrefixStore
+from macinfer.core.prefix_cache import model_identity
+from macinfer.paths import cache_dir
+from macinfer.units import parse_bytes
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (what `LLM(model, **engine_options)` and the CLI pass).
+
+    Args:
+        kv_memory: KV pool budget, bytes or a string like "2GB"; None for the default.
+        num_blocks: exact pool size in blocks (overrides kv_memory; tests, benchmarks).
+        block_size: token slots per KV block.
+        max_num_seqs: sequences decoding at once.
+        max_num_batched_tokens: tokens per step (prefill chunk size + decodes).
+        max_model_len: longest sequence; None for the model's context length.
+        verbose: print the KV budget and capacity at start-up.
+        enable_prefix_cache: reuse the K/V of full blocks shared with earlier
+            prompts (macinfer.core.prefix_cache); outputs are the same either way.
+        persist_prefix_cache: also keep cached blocks on disk for later processes.
+        prefix_cache_dir: root of the persistent tier (default $MACINFER_PREFIX_CACHE_DIR
+            or cache_dir()/prefix); each model gets a subdirectory named by its identity.
+        prefix_cache_disk_bytes: size limit of the persistent tier (all models together).
+        draft: speculative decoding (macinfer.spec.decoder): "ngram" (prompt lookup), a
+            draft model (shipped draft name, path, catalog name, repo id, or a loaded
+            mlx-lm model sharing the tokenizer), "<draft model>+ngram" (lookup where the
+            text repeats itself, the model elsewhere), "auto" (the draft shipped for this
+            model, if any, with lookup), or None for none.
+        num_speculative_tokens: the most tokens drafted per sequence per step.
+        adaptive_speculation: pick k each step from measured acceptance and costs
+            (False: always draft num_speculative_tokens).
+        kv_bits: store K/V quantised to 8 (or 4) bits in the paged pool
+            (macinfer.kv.quant); None keeps the activation dtype.
+        kv_group_size: quantisation group along head_dim (default 32).
+        attention: "auto" (the fused Metal kernel if it passes its start-up check
+            against the reference, else the reference), "metal" or "reference".
+        async_scheduling: overlap building each decode step with the previous
+            step's compute (module docstring); outputs are the same either way.
+    """
+
+    kv_memory: int | str | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    verbose: bool = False
+    enable_prefix_cache: bool = True
+    persist_prefix_cache: bool = False
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int | str = "2GB"
+    draft: object = None
+    num_speculative_tokens: int = 12  # a ceiling: adaptive k goes this high on long copies (lookup)
+    adaptive_speculation: bool = True
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    attention: str = "auto"
+    async_scheduling: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if self.max_num_batched_tokens is None:
+            # A chunk's forward blocks every decode of that step: keep it short where
+            # prefill is slow (CPU, ~50 tok/s on a 135M model) and longer on Metal.
+            self.max_num_batched_tokens = max(512 if mx.metal.is_available() else 128, self.max_num_seqs)
+
+
+def default_kv_memory(weight_bytes: int) -> int:
+    """The KV budget when none is given (see module docstring)."""
+    if mx.metal.is_available():
+        try:
+            info = mx.device_info()
+        except AttributeError:
+            info = mx.metal.device_info()
+        working_set = int(info.get("max_recommended_working_set_size", 0))
+        if working_set:
+            margin = max(1 << 30, working_set // 10)  # activations, other apps
+            return max(256 << 20, working_set - weight_bytes - margin)
+    return 1 << 30
+
+
+def setup_prefix_cache(engine, config) -> str | None:
+    """Turn on prefix caching in engine's BlockPool (and its persistent tier) per config.
+
+    Returns:
+        The model identity, or None when the prefix cache is off.
+    """
+    if not config.enable_prefix_cache:
+        return None
+    model_id = model_identity(engine.model, engine.info, engine.specs, engine.block_size)
+    pool = engine.block_pool
+    pool.enable_caching = True
+    pool.cache_root = bytes.fromhex(model_id)
+    # NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
+    if config.persist_prefix_cache and not getattr(config, "kv_bits", None):
+        root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
+        root = root.expanduser()
+        pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.caches, engine.block_size,
+                                     parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"))
+    return model_id

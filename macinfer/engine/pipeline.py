@@ -1,0 +1,124 @@
+"""The pipelined variant of LLMEngine.step.
+
+Async scheduling (vLLM's name for it; mlx-lm's generate_step does the same for one
+stream): while every running sequence is plainly decoding, step n+1 is built from
+step n's sampled ids while they are still being computed, and queued with
+mx.async_eval before step n's ids are read back. Building a forward costs a few ms
+of Python per step; this way it overlaps the model's compute instead of adding to
+it, and so do the caller's handling of the deltas and detokenising. Stops are
+therefore seen one step late: a sequence that finished at step n also computed one
+row in step n+1, which is dropped (its K/V slot lies past the sequence's end and
+its blocks are freed as usual). Anything else (admitting a request, a prefill
+chunk, drafts, too few free blocks) first reads back the step in flight, then runs
+a plain synchronous step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from macinfer.core.outputs import StreamDelta
+from macinfer.core.sequence import Sequence
+
+
+@dataclass
+class InFlight:
+    """A decode step queued with mx.async_eval whose sampled ids are not read back yet."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # (B,) lazy sampled ids, one per seq
+
+
+class PipelinedSteps:
+    """LLMEngine's pipelined steps (a mixin, as vLLM keeps its AsyncScheduler apart).
+
+    NOTE: it reads the engine's config, scheduler, block_pool, runner and spec, and keeps
+    `_inflight` (the step queued and not yet read back) and `_last_resolve`; a
+    synchronous step runs only while `_inflight` is None.
+    """
+
+    def _step_pipelined(self) -> list[StreamDelta]:
+        """Queue step n+1 (if the rows allow), then read back step n and process its tokens."""
+        prev = self._inflight
+        rows = self._decode_rows(prev)
+        self._inflight = self._launch(rows, prev) if rows else None
+        deltas = self._resolve(prev)
+        if self.spec is not None:
+            # Read-back to read-back is one step's cost only while a step is queued behind
+            # each. The last read-back before a synchronous step has none: where queueing
+            # blocks until the step before is done (MLX on the CPU), it times only that
+            # step's tail (~20 ms of ~160 at 8 rows), and the fit took decode for cheap.
+            now = time.perf_counter()
+            full = self._last_resolve is not None and self._inflight is not None
+            self.spec.skip_step(self.scheduler.running, len(prev.seqs),
+                                now - self._last_resolve if full else None)
+            self._last_resolve = now if self._inflight is not None else None
+        return deltas
+
+    def _decode_rows(self, prev: InFlight | None) -> list[Sequence]:
+        """The sequences the next step can decode without reading anything back, or [].
+
+        Pipelining only covers the steady state: every running sequence decoding, nobody
+        waiting who could be admitted, no drafts, a free slot for each row without preempting.
+        With a step in flight, a sequence whose pending token is its last (max_tokens)
+        is left out: it is certain to finish.
+        """
+        running = self.scheduler.running
+        # A waiting request only blocks pipelining if it could be admitted now: a server whose
+        # queue is longer than max_num_seqs still runs its full batch ahead.
+        admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
+        if (not self.config.async_scheduling or admissible
+                or not running or (len(running) > 1 and not self.runner.batch_decode)):
+            return []
+        if prev is None:
+            if any(s.num_uncomputed_tokens != 1 for s in running):
+                return []
+            rows = list(running)
+        else:
+            launched = {id(s) for s in prev.seqs}
+            if any(id(s) not in launched for s in running):
+                return []
+            rows = [s for s in running if s.num_output_tokens + 1 < s.max_tokens]
+        pool = self.block_pool
+        if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
+            return []
+        if self.spec is not None and rows and self.spec.wants_sync(rows, pending=prev is not None):
+            return []  # worth drafting: that needs the tokens read back, then a synchronous step
+        return rows
+
+    def _launch(self, rows: list[Sequence], prev: InFlight | None) -> InFlight:
+        """Queue a decode step for rows; their input ids are prev's lazy outputs."""
+        if prev is None:
+            tokens = mx.array([s.token_ids[-1] for s in rows], dtype=mx.uint32)
+        else:
+            index = {id(s): i for i, s in enumerate(prev.seqs)}
+            idx = [index[id(s)] for s in rows]
+            tokens = prev.tokens if idx == list(range(len(prev.seqs))) else prev.tokens[mx.array(idx)]
+        now = time.perf_counter()
+        for s in rows:
+            ok = self.block_pool.allocate_slots(s, 1)
+            assert ok, s  # _decode_rows counted the free blocks
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+        sampled = self.runner.launch_decode(rows, tokens)
+        for s in rows:
+            s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
+        return InFlight(rows, sampled)
+
+    def _resolve(self, step: InFlight) -> list[StreamDelta]:
+        """Read a launched step's tokens back and process them like a synchronous step."""
+        deltas = []
+        for seq, tok in zip(step.seqs, step.tokens.tolist()):
+            if seq.is_finished:  # stopped a step earlier, or aborted: the row is dropped
+                continue
+            delta = self._process_token(seq, tok)
+            if delta is not None:
+                deltas.append(delta)
+            if not seq.is_finished:
+                self.block_pool.cache_full_blocks(seq)  # now that its token ids are known
+            elif self.spec is not None:
+                self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's update would)
+        return deltas
