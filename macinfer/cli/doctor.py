@@ -14,11 +14,12 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import click
+
+from macinfer.perf.timing import median_ms
 
 RAN, SKIPPED, FAILED = "ran", "skipped", "failed"
 CHECKS = ("system", "software", "metal", "bandwidth", "kernel_self_check", "kernel_timing", "decode")
@@ -256,18 +257,6 @@ def _timing_problem(batch: int, context: int, dtype, *, heads, kv_heads, head_di
     )
 
 
-def _median_ms(fn, repeats: int) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())  # warm-up (and compilation)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def check_kernel_timing(ctx):
     """One layer's decode attention, median ms: the kernel vs gather + SDPA (the reference)."""
     _needs_metal("no kernel to time against SDPA (scripts/bench/attention.py times the reference alone)")
@@ -286,8 +275,8 @@ def check_kernel_timing(ctx):
             args = _timing_problem(batch, context, mx.float16, **shape)
             mx.eval(args["queries"], args["k_pool"], args["v_pool"])
             gb = 2 * batch * context * shape["kv_heads"] * shape["head_dim"] * 2 / 1e9  # K and V, float16
-            ref = _median_ms(lambda: paged_attention(**args), repeats)
-            ker = _median_ms(lambda: ma.paged_attention_metal(**args), repeats)
+            ref = median_ms(lambda: paged_attention(**args), repeats)
+            ker = median_ms(lambda: ma.paged_attention_metal(**args), repeats)
             rows.append({"batch": batch, "context": context, "sdpa_ms": round(ref, 4), "kernel_ms": round(ker, 4),
                          "kernel_over_sdpa": round(ker / ref, 3), "kernel_gbps": round(gb / ker * 1e3, 1)})
             parts.append(f"b{batch} {context // 1024}k {ker:.3g}/{ref:.3g} ms ({ker / ref:.2f}x)")
