@@ -187,7 +187,12 @@ def quantize(
     # 6. Compute every tensor (the per-tensor progress), write to a temp dir, rename.
     _compute(model, source.name, progress)
     _write_atomically(model, config, side, out)
+    return _report(source, out, cfg, layers_by_bits, ratios, t0)
 
+
+def _report(source: _Source, out: Path, cfg: QuantConfig, layers_by_bits: dict[int, int], ratios: list[float],
+            t0: float) -> QuantizeReport:
+    """The report of a job started at perf_counter() t0; the sizes after are those written."""
     written = weight_bytes(out)
     return QuantizeReport(
         source=source.name,
