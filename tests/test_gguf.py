@@ -22,7 +22,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from macinfer.modelio.embedded import cache_dir, embedded_gguf_path, ensure_converted
 from macinfer.errors import MacinferError
-from macinfer.modelio.gguf import convert_gguf, read_header, write_tokenizer
+from macinfer.modelio.gguf import convert_gguf
+from macinfer.modelio.gguf_header import read_header
+from macinfer.modelio.gguf_tokenizer import write_tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -23,7 +23,8 @@ from tiny import CORPUS, build_tiny_model, train_tokenizer
 
 from macinfer.cli.quantize import eval_cmd, quantize_cmd
 from macinfer.errors import MacinferError
-from macinfer.modelio.quantize import QuantConfig, quantize, weight_bytes
+from macinfer.modelio.quantize import QuantConfig, quantize
+from macinfer.modelio.sizes import weight_bytes
 
 PROMPT = "Paged attention stores the key value cache in fixed size blocks."
 

@@ -207,7 +207,8 @@ def test_ngram_greedy_on_repetitive_model(tiny_models):
 
 def test_adaptive_k_follows_acceptance_and_costs():
     """K maximises expected tokens per second: more drafts when they are cheap and right."""
-    from macinfer.spec.decoder import SpecDecoder, StepCost
+    from macinfer.spec.decoder import SpecDecoder
+    from macinfer.spec.step_cost import StepCost
 
     spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=5)
     assert spec.choose_k([0.9], [5]) == 0  # nothing measured yet: one plain step first
@@ -251,7 +252,8 @@ def test_adaptive_k_charges_declined_asks_their_draft_round_only():
     widens the forward (1.2 tokens for 73.5 ms against 1 for 60), and does if 40% of asks are
     declined (widening 60% of the time: 1.2 for 69.9).
     """
-    from macinfer.spec.decoder import SpecDecoder, StepCost
+    from macinfer.spec.decoder import SpecDecoder
+    from macinfer.spec.step_cost import StepCost
 
     spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=1)
     spec.drafter.has_model, spec.drafter.round_s = True, 0.0045
@@ -271,7 +273,8 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
     the drafter has nothing to offer any more (the pending token broke an n-gram match)."""
     from types import SimpleNamespace
 
-    from macinfer.spec.decoder import SpecDecoder, StepCost
+    from macinfer.spec.decoder import SpecDecoder
+    from macinfer.spec.step_cost import StepCost
 
     class Scripted(NgramDrafter):
         offer = 2

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from macinfer.cli.options import one_line
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 
@@ -22,7 +23,7 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except (MacinferError, ValueError) as e:
-            raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise one_line(e) from None
         except KeyboardInterrupt:
             click.echo("", err=True)
             ctx.exit(130)
@@ -153,24 +154,18 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     """
     from macinfer.core.sampling import SamplingParams
 
-    if len(args) > 2:
-        raise MacinferError(f"expected [MODEL] PROMPT, got {len(args)} arguments: quote the prompt")
-    model, prompt = (None, args[0]) if len(args) == 1 else args
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        raise MacinferError("the prompt is empty: give some text to complete")
+    model, prompt = _model_and_prompt(args)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens)
 
     from macinfer.perf.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM
 
+    if draft and no_draft:
+        raise MacinferError("--draft and --no-draft contradict each other: pick one")
     # One request: size the KV pool for one full-context sequence, not for a server's worth.
     options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {}),
                "enable_prefix_cache": not no_prefix_cache, "persist_prefix_cache": not no_prefix_cache,
                "kv_bits": int(kv_bits) if kv_bits else None, "attention": attention}
-    if draft and no_draft:
-        raise MacinferError("--draft and --no-draft contradict each other: pick one")
     # NOTE: no draft unless asked: `macinfer run` loads the 4-bit model, whose verify pass costs
     # ~k single-token steps on a CPU host (docs/platform.md), and the shipped SmolLM2 draft agrees with
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
@@ -179,25 +174,8 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     llm = LLM(model, dequantize=dequantize, **options)
     info = llm.info
     if verbose:
-        from macinfer import _blas
-
-        click.echo(f"model {info.name}: {info.model_type}, {info.num_params / 1e6:.0f}M params, "
-                   f"{info.quantization}, {fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
-        click.echo(f"BLAS: {_blas.loaded or 'bundled'}", err=True)
-        click.echo(llm.engine.describe(), err=True)
-    use_template = not no_chat_template and getattr(llm.tokenizer, "chat_template", None)
-    if use_template:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = llm.apply_chat_template(messages)
-    else:
-        ids = llm.encode(prompt)
-    out = None
-    for delta in llm.stream(ids, params):
-        if not as_json and delta.text:
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-        if delta.output is not None:
-            out = delta.output
+        _print_details(llm)
+    out = _stream(llm, _prompt_ids(llm, prompt, system, no_chat_template), params, echo=not as_json)
     stats = run_stats(out, info, find_peak(peak_bandwidth))
     if as_json:
         click.echo(json.dumps({"model": info.name, "text": out.text, "token_ids": out.token_ids, **stats}))
@@ -207,13 +185,58 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
         click.echo(stats_line(stats), err=True)
 
 
+def _model_and_prompt(args: tuple[str, ...]) -> tuple[str | None, str]:
+    """[MODEL] PROMPT from the arguments; PROMPT "-" is read from stdin."""
+    if len(args) > 2:
+        raise MacinferError(f"expected [MODEL] PROMPT, got {len(args)} arguments: quote the prompt")
+    model, prompt = (None, args[0]) if len(args) == 1 else args
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise MacinferError("the prompt is empty: give some text to complete")
+    return model, prompt
+
+
+def _print_details(llm) -> None:
+    """--verbose: the model, the BLAS library and the engine's capacity, on stderr."""
+    from macinfer import _blas
+
+    info = llm.info
+    click.echo(f"model {info.name}: {info.model_type}, {info.num_params / 1e6:.0f}M params, "
+               f"{info.quantization}, {fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
+    click.echo(f"BLAS: {_blas.loaded or 'bundled'}", err=True)
+    click.echo(llm.engine.describe(), err=True)
+
+
+def _prompt_ids(llm, prompt: str, system: str | None, no_chat_template: bool) -> list[int]:
+    """The prompt's token ids: through the chat template when the model has one (and it is wanted)."""
+    if no_chat_template or not getattr(llm.tokenizer, "chat_template", None):
+        return llm.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return llm.apply_chat_template(messages)
+
+
+def _stream(llm, ids: list[int], params, echo: bool):
+    """Generate, writing the text to stdout as it comes if `echo`; the finished RequestOutput."""
+    out = None
+    for delta in llm.stream(ids, params):
+        if echo and delta.text:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        if delta.output is not None:
+            out = delta.output
+    return out
+
+
 def _register_optional_commands():
     """Commands owned by their own modules; a missing module just hides its command."""
     import importlib
 
     for module, names in (
         ("macinfer.cli.quantize", ("quantize_cmd", "eval_cmd")),
-        ("macinfer.cli.serve", ("serve_cmd", "bench_cmd", "kv_cmd")),
+        ("macinfer.cli.serve", ("serve_cmd",)),
+        ("macinfer.cli.bench", ("bench_cmd",)),
+        ("macinfer.cli.kv", ("kv_cmd",)),
         ("macinfer.cli.chat", ("chat_cmd",)),
         ("macinfer.cli.doctor", ("doctor_cmd",)),
     ):

@@ -1,6 +1,6 @@
 """`macinfer quantize` and `macinfer eval`: make a quantised model and measure what it costs.
 
-Both are plain click commands (quantize_cmd, eval_cmd) registered by macinfer/cli.py.
+Both are plain click commands (quantize_cmd, eval_cmd) registered by macinfer.cli.main.
 The work is in macinfer.modelio.quantize and macinfer.modelio.evaluate; this file only parses
 options, draws progress on stderr and prints the summary / table on stdout.
 """
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from macinfer.cli.options import one_line
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes  # noqa: F401  (evaluate and bench_quantize import it from here)
 
@@ -40,11 +41,6 @@ class StageProgress:
 
     def __exit__(self, *exc):
         self.bar.stop()
-
-
-def _fail(e: Exception):
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return click.ClickException(msg)
 
 
 @click.command("quantize")
@@ -85,7 +81,7 @@ def quantize_cmd(src, out, bits, group_size, recipe, awq, calibration, calibrati
             report = quantize(src, out, cfg, force=force, progress=progress,
                               log=lambda s: click.echo(f"note: {s}", err=True))
     except MacinferError as e:
-        raise _fail(e) from None
+        raise one_line(e) from None
     r = report
     layers = ", ".join(f"{n} at {b}-bit" for b, n in r.layers_by_bits.items())
     method = "AWQ" if awq else "round-to-nearest"
@@ -135,7 +131,7 @@ def eval_cmd(models, against, text, max_tokens, window, decode_tokens, as_markdo
             results = compare(list(models), against, text, progress=status.update, max_tokens=max_tokens,
                               window=window, decode_tokens=decode_tokens)
     except MacinferError as e:
-        raise _fail(e) from None
+        raise one_line(e) from None
     if as_markdown:
         click.echo(markdown(results))
     else:

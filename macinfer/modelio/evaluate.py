@@ -28,7 +28,7 @@ from typing import Callable
 
 from macinfer.errors import MacinferError
 from macinfer.modelio.loader import load_model
-from macinfer.modelio.quantize import bits_per_weight, describe, weight_bytes
+from macinfer.modelio.sizes import bits_per_weight, describe, weight_bytes
 from macinfer.modelio.texts import encode_text, read_text
 from macinfer.units import fmt_bytes
 

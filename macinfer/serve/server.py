@@ -11,6 +11,8 @@ Design choices:
   byte is only sent once the engine has accepted the request.
 - Extensions beyond OpenAI's schema, as vLLM names them: top_k, min_p, ignore_eos,
   return_token_ids (each choice, or streamed chunk, then carries `token_ids`).
+
+The request bodies, their checks and the error body are in macinfer.serve.schemas.
 """
 
 from __future__ import annotations
@@ -23,108 +25,27 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.errors import MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
+from macinfer.serve.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestBase,
+    check_supported,
+    message_text,
+)
 
 log = logging.getLogger("macinfer.serve.server")
-
-
-class APIError(Exception):
-    """An error to send as OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-# -- request schemas ----------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI's SDK
-    sends new ones; fields we cannot honour are rejected in `_unsupported`."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    user: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    tools: list[dict] | None = None
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
-
-
-def _unsupported(req: _Request) -> None:
-    checks = [
-        (req.n != 1, "n", "only n=1 is supported: send one request per completion"),
-        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
-        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported (only 0)"),
-        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported (only 0)"),
-        (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
-        (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
-    ]
-    for bad, param, msg in checks:
-        if bad:
-            raise APIError(400, msg, param, "unsupported_parameter")
-
-
-def _message_text(m: ChatMessage, i: int) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    parts = []
-    for part in m.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.get('type')!r}",
-                           f"messages[{i}].content")
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 # -- the app ------------------------------------------------------------------------------
@@ -136,12 +57,12 @@ class Server:
         self.created = int(time.time())
 
     # -- request -> (prompt ids, params) ------------------------------------------------
-    def _check_model(self, req: _Request) -> None:
+    def _check_model(self, req: RequestBase) -> None:
         if req.model is not None and req.model not in (self.model_name, str(self.llm.info.path)):
             raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{self.model_name}'",
                            "model", "model_not_found")
 
-    def _params(self, req: _Request, num_prompt: int, max_tokens: int | None) -> SamplingParams:
+    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None) -> SamplingParams:
         ctx = self.llm.info.context_length
         if num_prompt >= ctx:
             raise APIError(400, f"the prompt is {num_prompt} tokens but {self.model_name} holds at most {ctx}: "
@@ -165,7 +86,7 @@ class Server:
         messages = []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": _message_text(m, i)})
+            messages.append({"role": role, "content": message_text(m, i)})
         try:
             return self.llm.apply_chat_template(messages)
         except MacinferError as e:
@@ -196,9 +117,9 @@ class Server:
             "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
         }
 
-    async def handle(self, req: _Request, http: Request, chat: bool) -> Any:
+    async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
         self._check_model(req)
-        _unsupported(req)
+        check_supported(req)
         ids = self.chat_prompt(req) if chat else self.completion_prompt(req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens)
@@ -319,6 +240,13 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    _add_error_handling(app, metrics, api_key)
+    _add_routes(app, server)
+    return app
+
+
+def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None) -> None:
+    """The API key check and OpenAI's error body for every error, each counted in the metrics."""
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -353,6 +281,10 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     async def http_error(request, e: StarletteHTTPException):
         return await api_error(request, APIError(e.status_code, str(e.detail), None, None))
 
+
+def _add_routes(app: FastAPI, server: Server) -> None:
+    """The OpenAI routes, /health and /metrics."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.handle(body, request, chat=True)
@@ -363,22 +295,20 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "macinfer",
-                "max_model_len": llm.info.context_length}
+        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "macinfer",
+                "max_model_len": server.llm.info.context_length}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health():
-        if not aengine.is_running:
-            return JSONResponse({"status": "error", "error": str(aengine.error)}, status_code=503)
-        return {"status": "ok", "model": model_name, "running_requests": aengine.num_active}
+        if not server.engine.is_running:
+            return JSONResponse({"status": "error", "error": str(server.engine.error)}, status_code=503)
+        return {"status": "ok", "model": server.model_name, "running_requests": server.engine.num_active}
 
     @app.get("/metrics")
     async def prometheus():
-        body, content_type = metrics.render()
+        body, content_type = server.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
-
-    return app
 
 
 def run(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, log_level: str = "info") -> None:

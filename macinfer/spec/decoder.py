@@ -21,18 +21,17 @@ choice is K per step, from the requests' tracked acceptance and measured costs:
     step time                  T(K)   = A + b * B * (1 + K * (1 - prod_i r_i)) + D * K
     K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
 
-a_i is request i's acceptance rate for the kind of draft it would get now
-(decayed counts, with the drafter's pooled rate for that kind as prior; a drafter
-may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the
-measured cost of a decode step (a linear fit over recent decode-only steps,
-forgetting old ones), D the measured cost of one draft-model round (0 for n-gram,
-and when no row would draft with the model), r_i how often the drafter lately declined
-a row of that kind (a feature draft unsure of its first token drafts nothing: the
-round is paid, the forward is not widened; the decline counts as a rejection in a_i).
-offer_i is what the drafter can propose (an n-gram drafter often has nothing, or a
-short match). Counts decay while
-a request does not draft, so its estimate drifts back to the prior and it probes
-again now and then.
+a_i is request i's acceptance rate for the kind of draft it would get now (decayed
+counts, with the drafter's pooled rate for that kind as prior; a drafter may tell kinds
+apart, as NgramDrafter does by match length); A + b * tokens is the measured cost of a
+decode step (a linear fit over recent decode-only steps, forgetting old ones: StepCost
+in macinfer.spec.step_cost), D the measured cost of one draft-model round (0 for n-gram,
+and when no row would draft with the model), r_i how often the drafter lately declined a
+row of that kind (a feature draft unsure of its first token drafts nothing: the round is
+paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is
+what the drafter can propose (an n-gram drafter often has nothing, or a short match).
+Counts decay while a request does not draft, so its estimate drifts back to the prior
+and it probes again now and then.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import mlx.core as mx
 
 from macinfer.spec.drafter import Drafter
 from macinfer.spec.rejection import greedy_verify, rejection_sample
+from macinfer.spec.step_cost import StepCost
 from macinfer.core.sequence import Sequence, SequenceStatus
 
 
@@ -84,57 +84,6 @@ def verify_rows(group: list[int], rows: list, logits: mx.array) -> list[tuple[in
             res = rejection_sample(seq.sampler.probs(lg), mx.array(drafts, dtype=mx.int32), q, seq.sampler.next_key())
         out.append((group[j], res))
     return out
-
-
-# -- the cost model ----------------------------------------------------------------------
-class StepCost:
-    """Decode step time as A + b * tokens: a linear fit with forgetting, plus a prior.
-
-    The prior (cost of a token = `prior_slope` x the first step measured) stands in
-    until steps of different sizes have been measured; it is forgotten like any
-    observation. It is optimistic on purpose: steps of one size (a batch that never
-    drafts) cannot measure the slope, so a pessimistic prior would keep K at 0 and
-    never learn otherwise (at 0.1, 8 requests of SmolLM2 with a feature draft never
-    drafted); an optimistic one gets drafting tried, and the verify steps it costs
-    measure the real slope (float32 + OpenBLAS: 1 -> 8 tokens took 104 -> 160 ms,
-    ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
-    """
-
-    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
-        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
-        self.s = None  # weighted sums: w, x, y, xx, xy
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        s = self.s
-        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
-            s[i] += v
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if self.s is None:
-            self.s = [0.0] * 5
-            # Prior: two points on the line through this one with the prior slope.
-            base = seconds / (1 + self.prior_slope * (tokens - 1))
-            for x in (1, 1 + 8 * max(1, tokens)):
-                self._add(x, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
-        self.s = [v * self.decay for v in self.s]
-        self._add(tokens, seconds, 1.0)
-
-    @property
-    def ready(self) -> bool:
-        return self.s is not None
-
-    def coeffs(self) -> tuple[float, float]:
-        """(A, b): fixed cost per step and cost per token, seconds."""
-        w, x, y, xx, xy = self.s
-        den = w * xx - x * x
-        b = (w * xy - x * y) / den if den > 1e-9 * w * w else 0.0
-        b = max(b, 0.0)
-        a = max((y - b * x) / w, 1e-6)
-        return a, b
-
-    def __call__(self, tokens: int) -> float:
-        a, b = self.coeffs()
-        return a + b * tokens
 
 
 @dataclass

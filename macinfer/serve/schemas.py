@@ -1,0 +1,122 @@
+"""The OpenAI API's request bodies as pydantic models, the checks on them, and its error body.
+
+What the server (macinfer.serve.server) accepts: unknown fields are allowed and ignored,
+as OpenAI's SDK sends new ones; fields that would change the output and that macinfer
+cannot honour are refused by `check_supported`. vLLM's extensions (top_k, min_p,
+ignore_eos, return_token_ids) are fields like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+
+class APIError(Exception):
+    """An error to send as OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# -- request schemas ----------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class RequestBase(BaseModel):
+    """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI's SDK
+    sends new ones; fields we cannot honour are rejected by `check_supported`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(RequestBase):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(RequestBase):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
+
+
+def check_supported(req: RequestBase) -> None:
+    """Refuse the fields this server cannot honour, with OpenAI's unsupported_parameter error.
+
+    Args:
+        req: a validated request.
+
+    Raises:
+        APIError: 400 naming the first such field.
+    """
+    checks = [
+        (req.n != 1, "n", "only n=1 is supported: send one request per completion"),
+        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
+        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported (only 0)"),
+        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported (only 0)"),
+        (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
+        (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
+    ]
+    for bad, param, msg in checks:
+        if bad:
+            raise APIError(400, msg, param, "unsupported_parameter")
+
+
+def message_text(m: ChatMessage, i: int) -> str:
+    """A chat message's text: its string content, or its text parts joined.
+
+    Args:
+        m: the message.
+        i: its index in `messages`, for the error.
+
+    Returns:
+        The text ("" for no content).
+
+    Raises:
+        APIError: 400 if a content part is not text.
+    """
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.get('type')!r}",
+                           f"messages[{i}].content")
+        parts.append(part["text"])
+    return "".join(parts)

@@ -1,0 +1,68 @@
+"""What a decode step costs: the time model SpecDecoder weighs drafts against.
+
+A step that computes `tokens` tokens (rows x width) takes A + b * tokens seconds. The
+decoder (macinfer.spec.decoder) fits A and b on the decode-only steps it sees, and
+picks the number of drafts per row that maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+
+class StepCost:
+    """Decode step time as A + b * tokens: a linear fit with forgetting, plus a prior.
+
+    The prior (cost of a token = `prior_slope` x the first step measured) stands in
+    until steps of different sizes have been measured; it is forgotten like any
+    observation. It is optimistic on purpose: steps of one size (a batch that never
+    drafts) cannot measure the slope, so a pessimistic prior would keep K at 0 and
+    never learn otherwise (at 0.1, 8 requests of SmolLM2 with a feature draft never
+    drafted); an optimistic one gets drafting tried, and the verify steps it costs
+    measure the real slope (float32 + OpenBLAS: 1 -> 8 tokens took 104 -> 160 ms,
+    ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
+    """
+
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
+        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+        self.s = None  # weighted sums: w, x, y, xx, xy
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        s = self.s
+        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+            s[i] += v
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Add one measured decode step; older ones (and the prior) weigh `decay` times less.
+
+        Args:
+            tokens: the tokens the step computed (rows x width).
+            seconds: its wall time, drafting excluded.
+        """
+        if self.s is None:
+            self.s = [0.0] * 5
+            # Prior: two points on the line through this one with the prior slope.
+            base = seconds / (1 + self.prior_slope * (tokens - 1))
+            for x in (1, 1 + 8 * max(1, tokens)):
+                self._add(x, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
+        self.s = [v * self.decay for v in self.s]
+        self._add(tokens, seconds, 1.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.s is not None
+
+    def coeffs(self) -> tuple[float, float]:
+        """The fit's coefficients (only once `ready`).
+
+        Returns:
+            (A, b): fixed cost per step and cost per token, in seconds; b >= 0 and A > 0.
+        """
+        w, x, y, xx, xy = self.s
+        den = w * xx - x * x
+        b = (w * xy - x * y) / den if den > 1e-9 * w * w else 0.0
+        b = max(b, 0.0)
+        a = max((y - b * x) / w, 1e-6)
+        return a, b
+
+    def __call__(self, tokens: int) -> float:
+        a, b = self.coeffs()
+        return a + b * tokens
