@@ -96,54 +96,59 @@ def paged_attention(
     Returns:
         (B, n_heads, q_len, head_dim_v), like mx.fast.scaled_dot_product_attention.
     """
-    B, _, q_len, _ = queries.shape
-    bs = block_size
     lens = [int(c) for c in context_lens]
-
-    if B == 1:
-        # One row (single stream or a prefill chunk): read exactly the slots in use
-        # and let MLX apply the causal mask, the same shapes mlx-lm's own KVCache
-        # would produce. Only the window's blocks are read when it applies.
-        table = block_tables[0] if not isinstance(block_tables, mx.array) else block_tables[0].tolist()
-        C = lens[0]
-        first = 0
-        if window is not None:
-            first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
-        blocks = list(table[first // bs: -(-C // bs)])
-        S = C - first
-        if _contiguous_run(blocks):
-            # Blocks handed out in order (the usual single-stream case): one slice, no copy.
-            s0 = blocks[0] * bs
-            k, v = k_pool[None, :, s0: s0 + S], v_pool[None, :, s0: s0 + S]  # (1, n_kv, S, D)
-        else:
-            memo = {} if memo is None else memo
-            key_ = ("row_slots", first)
-            if key_ not in memo:
-                memo[key_] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :S]
-            ids = memo[key_]
-            k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
-        if window is None or S <= window and q_len == 1:
-            mask = "causal" if q_len > 1 else None
-            memo = {} if memo is None else memo
-            if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
-                # A verify step's few queries: on the CPU backend SDPA builds its causal mask in
-                # every layer (measured: 0.22 ms per layer at q_len 2 over 120 keys, against
-                # 0.15 with this additive one built once per forward); adding 0 or -inf to the
-                # scores is exactly what the causal mask does. Metal's fused kernel keeps "causal"
-                # (not measured there).
-                key_ = ("causal_add", q_len, S, queries.dtype)
-                if key_ not in memo:
-                    seen = mx.arange(S)[None] <= mx.arange(S - q_len, S)[:, None]
-                    memo[key_] = mx.where(seen, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))
-                mask = memo[key_]
-        else:
-            pos = mx.arange(C - q_len, C)[:, None]  # (q_len, 1) absolute query positions
-            key = mx.arange(first, C)[None]  # (1, S)
-            mask = (key <= pos) & (key > pos - window)
-        return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
-
-    # Batch: pad every table to the longest with the null block, mask per row.
     memo = {} if memo is None else memo
+    if queries.shape[0] == 1:
+        table = block_tables[0] if not isinstance(block_tables, mx.array) else block_tables[0].tolist()
+        k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, memo)
+    else:
+        k, v, mask = _batch(queries, k_pool, v_pool, block_tables, lens, block_size, window, memo)
+    return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
+
+
+def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict):
+    """One row (single stream or a prefill chunk): (k, v, mask) over exactly the slots in use.
+
+    MLX applies the causal mask, the same shapes mlx-lm's own KVCache would produce. Only the
+    window's blocks are read when it applies.
+    """
+    q_len = queries.shape[2]
+    first = 0
+    if window is not None:
+        first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
+    blocks = list(table[first // bs: -(-C // bs)])
+    S = C - first
+    if _contiguous_run(blocks):
+        # Blocks handed out in order (the usual single-stream case): one slice, no copy.
+        s0 = blocks[0] * bs
+        k, v = k_pool[None, :, s0: s0 + S], v_pool[None, :, s0: s0 + S]  # (1, n_kv, S, D)
+    else:
+        key_ = ("row_slots", first)
+        if key_ not in memo:
+            memo[key_] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :S]
+        ids = memo[key_]
+        k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
+    if window is None or S <= window and q_len == 1:
+        mask = "causal" if q_len > 1 else None
+        if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
+            # A verify step's few queries: on the CPU backend SDPA builds its causal mask in
+            # every layer; adding 0 or -inf to the scores, built once per forward, is exactly
+            # what the causal mask does and cheaper there. Metal's fused kernel keeps "causal".
+            key_ = ("causal_add", q_len, S, queries.dtype)
+            if key_ not in memo:
+                seen = mx.arange(S)[None] <= mx.arange(S - q_len, S)[:, None]
+                memo[key_] = mx.where(seen, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))
+            mask = memo[key_]
+    else:
+        pos = mx.arange(C - q_len, C)[:, None]  # (q_len, 1) absolute query positions
+        key = mx.arange(first, C)[None]  # (1, S)
+        mask = (key <= pos) & (key > pos - window)
+    return k, v, mask
+
+
+def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, memo: dict):
+    """Several rows: (k, v, mask) with every table padded to the longest with the null block, masked per row."""
+    q_len = queries.shape[2]
     if "tables" not in memo:
         if isinstance(block_tables, mx.array):
             memo["tables"] = block_tables
@@ -165,7 +170,7 @@ def paged_attention(
         if window is not None:
             mask = mask & (key > pos - window)
         memo[key_] = mask[:, None]  # (B, 1, q_len, S)
-    return _sdpa(queries, k, v, scale=scale, mask=memo[key_], sinks=sinks, softcap=softcap)
+    return k, v, memo[key_]
 
 
 def _sdpa(queries, k, v, *, scale, mask, sinks, softcap):
