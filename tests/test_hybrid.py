@@ -203,13 +203,23 @@ def test_budget_describe_and_stats(hybrid):
     specs = inspect_model(model, "qwen3_next")
     assert len(specs) == 2 and len(specs.states) == 2 and [e[0] for e in specs.layout] == ["state", "kv"] * 2
     per_slot = specs.bytes_per_slot
-    engine = LLMEngine(model, tok, None, kv_memory="256KiB", block_size=4, max_num_seqs=3, max_model_len=512)
+    off = LLMEngine(model, tok, None, kv_memory="256KiB", block_size=4, max_num_seqs=3, max_model_len=512,
+                    enable_prefix_cache=False)
     # The slots come out of the KV budget: fewer blocks than the same budget buys without them.
-    assert engine.state_bytes == 3 * per_slot
-    assert engine.block_pool.num_blocks == ((256 << 10) - 3 * per_slot) // engine.bytes_per_block
+    assert off.state_bytes == 3 * per_slot and off.snapshot_bytes == 0 and off.snapshots is None
+    assert off.block_pool.num_blocks == ((256 << 10) - 3 * per_slot) // off.bytes_per_block
+    # With the prefix cache, state snapshots too: one per slot, at most a quarter of what the slots leave.
+    engine = LLMEngine(model, tok, None, kv_memory="256KiB", block_size=4, max_num_seqs=3, max_model_len=512,
+                       persist_prefix_cache=True)
+    snap = min(3 * per_slot, ((256 << 10) - 3 * per_slot) // 4)
+    assert engine.snapshot_bytes == snap == 3 * per_slot and "state snapshots: " in engine.describe()
+    assert engine.block_pool.num_blocks == ((256 << 10) - 3 * per_slot - snap) // engine.bytes_per_block
     s = engine.kv_stats()
     assert (s["state_slots_used"], s["state_slots_free"], s["state_bytes"]) == (0, 3, 3 * per_slot)
-    assert s["prefix_cache"] is False  # NOTE in LLMEngine: off for models with state layers
+    assert s["prefix_cache"] is True and s["state_snapshot_capacity"] == snap
+    assert engine.block_pool.store is None  # NOTE in LLMEngine: no disk tier for models with state layers
+    assert LLMEngine(model, tok, None, kv_memory="256KiB", block_size=4, max_num_seqs=3, max_model_len=512,
+                     state_snapshot_memory="10KiB").snapshot_bytes == 10 << 10
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
     engine.step()
     assert engine.kv_stats()["state_slots_used"] == 1

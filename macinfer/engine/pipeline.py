@@ -106,6 +106,8 @@ class PipelinedSteps:
         sampled = self.runner.launch_decode(rows, tokens)
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
+        if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
+            self.scheduler.take_snapshots(rows, lazy=True)
         return InFlight(rows, sampled)
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
