@@ -59,7 +59,8 @@ def test_second_request_and_chat_turn_start_at_the_snapshot(hybrid, name, async_
     engine = engine_for(model, tok, async_scheduling=async_scheduling)
     o1 = run(engine, [(0, p1, PARAMS, "a")])["a"]
     assert o1.metrics.cached_tokens == 0 and o1.token_ids == oracle(model, p1, 10)
-    # The same prompt, longer: starts at 32; chunks of 12 from 0 ended at 12, 24, then 32 (capped).
+    # The same prompt, longer: starts at 32; chunks of 12 from 0 ended at 12, 16, 24, 28, 32
+    # (capped: snapshots at 32 and, spare, 28, 24 and 16).
     p2 = p1 + rand(rng, 6)
     o2 = run(engine, [(0, p2, PARAMS, "b")])["b"]
     assert o2.metrics.cached_tokens == 32 and o2.token_ids == oracle(model, p2, 10)
@@ -81,18 +82,18 @@ def test_hit_without_a_snapshot_at_its_end_is_shortened(hybrid, name):
     rng = random.Random(3)
     prefix = rand(rng, 30)
     engine = engine_for(model, tok)
-    prompts = {"r0": prefix[:18], "r1": prefix + rand(rng, 5), "r2": prefix + rand(rng, 6), "r3": prefix + rand(rng, 4)}
+    prompts = {"r1": prefix + rand(rng, 13), "r2": prefix + rand(rng, 6), "r3": prefix + rand(rng, 4)}
     cached = {}
     for rid, p in prompts.items():
         out = run(engine, [(0, p, PARAMS, rid)])[rid]
         assert out.token_ids == oracle(model, p, 10), rid
         cached[rid] = out.metrics.cached_tokens
-    # r0 leaves a snapshot at 16; r1 hits it (its own blocks are cached up to 32, with a snapshot
-    # at 32); r2 shares 7 blocks (28 tokens) with r1, but the one snapshot among them is r0's at 16:
-    # shortened to 16, and r2 snapshots where the shared blocks ended, so r3 starts at 28.
-    assert cached == {"r0": 0, "r1": 16, "r2": 16, "r3": 28}
+    # r1 (43 tokens) leaves snapshots at 40 and, spare, 36, 32 and 24. r2 shares 7 blocks (28 tokens)
+    # with it, but the last snapshot among them is at 24: shortened to 24; r2 snapshots where the
+    # shared blocks ended, so r3 starts at 28.
+    assert cached == {"r1": 0, "r2": 24, "r3": 28}
     assert engine.snapshots.stats.shortened == 1
-    assert engine.kv_stats()["prefix_hit_tokens"] == 16 + 16 + 28
+    assert engine.kv_stats()["prefix_hit_tokens"] == 24 + 28
     assert_snapshots_exact(engine)
 
 
@@ -135,9 +136,8 @@ def test_speculative_decoding_with_prefix_hits_is_exact(hybrid):
     out |= run(engine, [(0, prompts["s3"], params, "s3")])
     for rid in prompts:
         assert out[rid].token_ids == want[rid], rid
-    # s1 extends s0's prompt; s2 shares 6 blocks with it but no snapshot there (shortened to none),
-    # and leaves one where they ended, for s3.
-    assert {r: o.metrics.cached_tokens for r, o in out.items()} == {"s0": 0, "s1": 28, "s2": 0, "s3": 24}
+    # s1 extends s0's prompt (snapshot at 28); s2 and s3 share 6 blocks with it: the spare snapshot at 24.
+    assert {r: o.metrics.cached_tokens for r, o in out.items()} == {"s0": 0, "s1": 28, "s2": 24, "s3": 24}
     assert sum(o.metrics.accepted_tokens for o in out.values()) > 0
     assert_snapshots_exact(engine)
 
@@ -156,3 +156,5 @@ def test_snapshot_store_lru_and_pending_bounds():
     assert list(s.entries) == [b"b"] and s.stats.dropped == 1 and s.stats.evicted == 1
     assert s.take_pending("r2") == (8, [[2]]) and s.nbytes == 200
     assert StateSnapshots(50, 100).put(b"z", [[0]]) is False  # smaller than one snapshot: nothing kept
+    assert s.put(b"spare", [[5]], spare=True) and list(s.entries) == [b"spare", b"b"]  # dropped first
+    assert s.get(b"spare") and list(s.entries) == [b"b", b"spare"]  # unless it is used

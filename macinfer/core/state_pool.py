@@ -90,6 +90,9 @@ class StatePool:
         }
 
 
+SPARE_BLOCKS = (1, 2, 4)  # spare snapshots this many blocks before a prompt's last one (StateScheduler)
+
+
 class StateScheduler(Scheduler):
     """The Scheduler, plus a state slot per running sequence (models with recurrent layers), and with
     the prefix cache on, state snapshots at block boundaries (macinfer.core.state_snapshots).
@@ -106,6 +109,7 @@ class StateScheduler(Scheduler):
         self.snapshots = snapshots
         self._targets: dict[str, list[int]] = {}  # request id -> positions to snapshot at (chunks end there)
         self._full_hit: dict[str, int] = {}  # request id -> tokens its cached blocks covered at admission
+        self._spare: dict[str, set[int]] = {}  # request id -> the targets that are guesses (StateSnapshots.put)
 
     @property
     def _caching(self) -> bool:
@@ -121,10 +125,14 @@ class StateScheduler(Scheduler):
         n = len(blocks)
         while n and hashes[n - 1] not in snaps:
             n -= 1
-        # The prompt's last full block before its last token; and where its cached blocks end,
-        # a prefix some earlier request shared (a system prompt?), if the hit had to stop short.
-        targets = {(seq.num_prompt_tokens - 1) // bs * bs, len(blocks) * bs}
-        self._targets[seq.request_id] = sorted(t for t in targets if t > n * bs)
+        # The prompt's last full block before its last token; where its cached blocks end, a prefix
+        # some earlier request shared (a system prompt?), if the hit had to stop short; and, spare,
+        # 1, 2 and 4 blocks before the last one (the same prompt with another short tail).
+        last = (seq.num_prompt_tokens - 1) // bs * bs
+        targets = {last, len(blocks) * bs}
+        spare = {last - k * bs for k in SPARE_BLOCKS} - targets
+        self._targets[seq.request_id] = sorted(t for t in targets | spare if t > n * bs)
+        self._spare[seq.request_id] = spare
         self._full_hit[seq.request_id] = len(blocks) * bs
         return blocks[:n], n * bs
 
@@ -169,7 +177,7 @@ class StateScheduler(Scheduler):
                 if h is None or h in snaps or h not in pool.cached_block_hash_to_block:
                     continue
                 arrays = self.states.snapshot(self.state_pool.slot_of(seq))
-                if arrays is not None and snaps.put(h, arrays):
+                if arrays is not None and snaps.put(h, arrays, spare=pos in self._spare.get(seq.request_id, ())):
                     copies.append(arrays)
             elif pos >= seq.num_prompt_tokens:
                 arrays = self.states.snapshot(self.state_pool.slot_of(seq))
@@ -201,6 +209,7 @@ class StateScheduler(Scheduler):
     def _forget(self, seq: Sequence) -> None:
         self._targets.pop(seq.request_id, None)
         self._full_hit.pop(seq.request_id, None)
+        self._spare.pop(seq.request_id, None)
 
     def _preempt(self, seq: Sequence) -> None:
         self._promote(seq)  # its readmission can start there

@@ -9,6 +9,8 @@ prefix (macinfer.core.prefix_cache), so the hash names the exact tokens the stat
 Which boundaries (StateScheduler picks them; a prefill chunk is capped to end there):
   - the end of a prompt's last full block strictly before its last token: the same prompt
     again, or a second chat turn extending it, starts there;
+  - 1, 2 and 4 blocks before that (*spare* snapshots, first to be dropped): a prompt that
+    shares all but a short tail (a system prompt, another question) starts close to the split;
   - where an admitted prompt's cached blocks ended (a prefix another request shared, such
     as a system prompt followed by different questions): the next one with it starts there;
   - while decoding, each block boundary the sequence crosses replaces its one *pending*
@@ -86,14 +88,21 @@ class StateSnapshots:
         self.stats.hits += 1
         return arrays
 
-    def put(self, block_hash: bytes, arrays: list) -> bool:
-        """Keep arrays as the state after the block named block_hash (False: no room, or one already)."""
+    def put(self, block_hash: bytes, arrays: list, spare: bool = False) -> bool:
+        """Keep arrays as the state after the block named block_hash (False: no room, or one already).
+
+        spare: a guess that may never be used; it goes to the least recently used end, dropped
+        first unless a hit refreshes it.
+        """
         if block_hash in self.entries:
-            self.entries.move_to_end(block_hash)
+            if not spare:
+                self.entries.move_to_end(block_hash)
             return False
         if not self._make_room():
             return False
         self.entries[block_hash] = arrays
+        if spare:
+            self.entries.move_to_end(block_hash, last=False)
         self.stats.taken += 1
         return True
 
