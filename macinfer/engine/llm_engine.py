@@ -18,7 +18,8 @@ default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
 Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
-slots out of the same budget first.
+slots out of the same budget first, and with the prefix cache on their state snapshots
+(macinfer.core.state_snapshots; state_snapshot_memory).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class InFlight:
 class PipelinedSteps:
     """LLMEngine's pipelined steps (a mixin, as vLLM keeps its AsyncScheduler apart).
 
-    NOTE: it reads the engine's config, scheduler, block_pool, runner and spec, and keeps
+    NOTE: it reads the engine's config, scheduler, block_pool, runner, spec and snapshots, and keeps
     `_inflight` (the step queued and not yet read back) and `_last_resolve`; a
     synchronous step runs only while `_inflight` is None.
     """
