@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from macinfer.core.prefix_cache import hash_blocks
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.state_snapshots import StateSnapshots
 from macinfer.engine.llm_engine import LLMEngine
@@ -127,6 +128,8 @@ def test_speculative_decoding_with_prefix_hits_is_exact(hybrid):
     s0 = prefix + rand(rng, 3)  # snapshot at 28
     prompts = {"s0": s0, "s1": s0 + rand(rng, 7), "s2": prefix + rand(rng, 5), "s3": prefix + rand(rng, 4)}
     want = {rid: oracle(model, p, 14) for rid, p in prompts.items()}
+    prompts["s4"] = s0 + want["s0"] + rand(rng, 3)  # a next chat turn: s0's reply was decoded with drafts
+    want["s4"] = oracle(model, prompts["s4"], 14)
     drafter = ScriptedDrafter({tuple(prompts[r]): w for r, w in want.items()}, model_vocab(model))
     engine = engine_for(model, tok, max_num_batched_tokens=16, max_num_seqs=3, draft=drafter,
                         num_speculative_tokens=3, adaptive_speculation=False)
@@ -134,11 +137,33 @@ def test_speculative_decoding_with_prefix_hits_is_exact(hybrid):
     out = run(engine, [(0, prompts["s0"], params, "s0")])
     out |= run(engine, [(0, prompts["s1"], params, "s1"), (0, prompts["s2"], params, "s2")])  # batched
     out |= run(engine, [(0, prompts["s3"], params, "s3")])
+    out |= run(engine, [(0, prompts["s4"], params, "s4")])
     for rid in prompts:
         assert out[rid].token_ids == want[rid], rid
+    # A reply decoded with drafts gets a snapshot only where a step ended on a block boundary; here
+    # (29, 31, 35, 39, then it finished) none did: s4 starts at s0's prompt snapshot.
+    assert out.pop("s4").metrics.cached_tokens == 28
     # s1 extends s0's prompt (snapshot at 28); s2 and s3 share 6 blocks with it: the spare snapshot at 24.
     assert {r: o.metrics.cached_tokens for r, o in out.items()} == {"s0": 0, "s1": 28, "s2": 24, "s3": 24}
     assert sum(o.metrics.accepted_tokens for o in out.values()) > 0
+    assert_snapshots_exact(engine)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "mamba2"])
+def test_snapshots_go_with_their_blocks(hybrid, name):
+    path, model, tok = hybrid(name)
+    rng = random.Random(21)
+    first = rand(rng, 21)
+    engine = engine_for(model, tok, num_blocks=12)  # 11 blocks of 4 tokens
+    run(engine, [(0, first, PARAMS, "a")])
+    h20 = hash_blocks(engine.block_pool.cache_root, first, 4)[4]  # the block ending at 20
+    assert h20 in engine.snapshots  # the snapshot at 20
+    for i in range(3):  # other prompts take every block: the first one's are evicted
+        p = rand(rng, 30)
+        assert run(engine, [(0, p, PARAMS, f"o{i}")])[f"o{i}"].token_ids == oracle(model, p, 10)
+    assert h20 not in engine.snapshots and engine.snapshots.stats.dropped > 0
+    again = run(engine, [(0, first, PARAMS, "b")])["b"]
+    assert again.metrics.cached_tokens == 0 and again.token_ids == oracle(model, first, 10)
     assert_snapshots_exact(engine)
 
 
