@@ -61,7 +61,7 @@ GPT_BIGCODE = {
 # MLA (multi-head latent attention), the next two adapted from mlx-lm's tests/test_models.py.
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 4,
     "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 4,
     "q_lora_rank": 4, "qk_rope_head_dim": 32, "v_head_dim": 16, "qk_nope_head_dim": 32,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -69,7 +69,7 @@ DEEPSEEK_V3 = {
 }
 GLM4_MOE_LITE = {
     "model_type": "glm4_moe_lite", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
     "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": 8,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "topk_method": "noaux_tc",
     "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
@@ -78,11 +78,22 @@ GLM4_MOE_LITE = {
     "num_nextn_predict_layers": 1,
 }
 KIMI_K25 = {"model_type": "kimi_k25", "text_config": dict(DEEPSEEK_V3)}
+MISTRAL4 = {  # llama-4 query scaling from position 16 on, so per-row positions matter there too
+    "model_type": "mistral4", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.0, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "norm_topk_prob": True, "max_position_embeddings": 128, "rms_norm_eps": 1e-05, "topk_group": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                        "original_max_position_embeddings": 16},
+}
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
-            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0)}
+            "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
+            "mistral4": (MISTRAL4, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -158,6 +169,20 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
     assert got == want
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3"])
+def test_prefix_cache_hit_matches_mlx_lm(family, name):
+    """A later prompt sharing 30 tokens starts from cached blocks (shared views and latents read them)."""
+    model, tok = family(name)
+    p = prompts_for(name)[3]
+    q = p[:30] + [7, 8, 9]
+    engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                       enable_prefix_cache=True, persist_prefix_cache=False)
+    results = run(engine, [(0, p, SamplingParams(max_tokens=12, ignore_eos=True), "a"),
+                           (30, q, SamplingParams(max_tokens=12, ignore_eos=True), "b")])
+    assert results["b"][0].metrics.cached_tokens == 28
+    assert [results[k][0].token_ids for k in "ab"] == [oracle(model, x, 12)[0] for x in (p, q)]
+
+
 def test_gemma2_softcap_is_what_decides(family):
     """Without soft-capping (a cap too large to bite) the same weights decode differently."""
     model, _ = family("gemma2")
@@ -181,7 +206,7 @@ def test_kv_sharing_pages_once(family, name):
     assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite", "mistral4"])
 def test_mla_pages_the_compressed_latent(family, name):
     model, tok = family(name)
     cfg = FAMILIES[name][0]
@@ -193,11 +218,27 @@ def test_mla_pages_the_compressed_latent(family, name):
     assert specs[0].bytes_per_token() == 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) < 4 * expanded
 
 
-def test_gpt_bigcode_runs_one_row_per_forward(family):
-    model, _ = family("gpt_bigcode")
+def test_gpt_bigcode_batches_with_row_positions(family):
+    model, tok = family("gpt_bigcode")
+    assert supports_batched_offsets(model)
+    assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
+
+
+def test_int_offset_model_falls_back_to_one_row_per_forward(family, monkeypatch):
+    """The issue as reported: gpt_bigcode left alone makes a Python int of a (B,) offset array.
+
+    The lazy probe finds out and the engine then runs every row in its own forward, still
+    token for token mlx-lm's output.
+    """
+    import macinfer.kv.attention_variants as av
+
+    monkeypatch.setattr(av, "_VARIANTS", {k: v for k, v in av._VARIANTS.items() if "gpt_bigcode" not in k})
+    model, tok = family("gpt_bigcode", layer_norm_epsilon=1e-6)  # a fresh model object, never retyped
     assert not batched_offsets_work(model) and not supports_batched_offsets(model)
-    gemma4, _ = family("gemma4_text")  # per-row rope offsets (a (B,) array) are fine there
-    assert supports_batched_offsets(gemma4)
+    prompts = prompts_for("gpt_bigcode")
+    engine, got = serve(model, tok, prompts, num_blocks=80)
+    assert not engine.runner.batch_decode
+    assert got == [oracle(model, p, 16)[0] for p in prompts]
 
 
 # ---------------------------------------------------------------- soft-capping in the attention paths

@@ -1,6 +1,8 @@
-"""Peak bandwidth: Apple table lookup, override order, probe cache."""
+"""Peak bandwidth: Apple table lookup (by chip and GPU core count), parsing the core count
+out of captured ioreg / system_profiler output, override order, the CPU probe and its cache."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -10,10 +12,126 @@ from macinfer.perf import bandwidth
 @pytest.mark.parametrize(
     "chip, gbps",
     [("Apple M1", 68.25), ("Apple M1 Pro", 200), ("Apple M2 Max", 400), ("Apple M3 Pro", 150),
-     ("Apple M4", 120), ("Apple M4 Pro", 273), ("Apple M2 Ultra", 800), ("Apple M9", None)],
+     ("Apple M4", 120), ("Apple M4 Pro", 273), ("Apple M2 Ultra", 800), ("Apple M3 Ultra", 819),
+     ("Apple M5", 153), ("Apple M1 (Virtual)", 68.25), ("Apple M9", None), ("Apple M10", None),
+     ("Apple M5 Ultra", None), ("Intel(R) Core(TM) i7", None)],
 )
 def test_apple_table(chip, gbps):
     assert bandwidth.apple_peak(chip) == gbps
+
+
+@pytest.mark.parametrize(
+    "chip, cores, gbps",
+    [("Apple M3 Max", 30, 300), ("Apple M3 Max", 40, 400), ("Apple M4 Max", 32, 410), ("Apple M4 Max", 40, 546),
+     ("Apple M5 Pro", 20, 307), ("Apple M5 Max", 40, 614),
+     # binned parts without a published figure, or no core count: unknown (-> the probe)
+     ("Apple M3 Max", None, None), ("Apple M4 Max", 36, None), ("Apple M5 Max", 32, None),
+     ("Apple M5 Pro", 16, None),
+     # chips whose bins share one figure ignore the count
+     ("Apple M4 Pro", 16, 273), ("Apple M4 Pro", 20, 273), ("Apple M5", 8, 153)],
+)
+def test_binned_parts_are_told_apart_by_gpu_cores(chip, cores, gbps):
+    assert bandwidth.apple_peak(chip, cores) == gbps
+    assert bandwidth.needs_gpu_cores(chip) == (bandwidth.chip_key(chip) in ("M3 Max", "M4 Max", "M5 Pro", "M5 Max"))
+
+
+IOREG_M3_MAX = """\
++-o AGXAcceleratorG15X  <class AGXAcceleratorG15X, id 0x1000003a1, registered, matched, active, busy 0 (0 ms), retain 80>
+    {
+      "IOClass" = "AGXAcceleratorG15X"
+      "PerformanceStatistics" = {"In use system memory (driver)"=0,"Alloc system memory"=2453848064,"Device Utilization %"=3}
+      "model" = "Apple M3 Max"
+      "gpu-core-count" = 30
+      "GPUConfigurationVariable" = {"gpu_gen"=15,"num_cores"=30,"num_gps"=4}
+      "CFBundleIdentifier" = "com.apple.AGXG15X"
+    }
+    +-o AGXDeviceUserClient  <class AGXDeviceUserClient, id 0x100000d3e, !registered, !matched, active, busy 0, retain 6>
+      {
+        "IOUserClientCreator" = "pid 412, WindowServer"
+      }
+"""
+
+IOREG_TREE = """\
+    | |   "model" = "Apple M4 Max"
+    | |   "gpu-core-count" = 40
+    | |   "IOMatchedAtBoot" = Yes
+"""
+
+IOREG_XML = """\
+<?xml version="1.0" encoding="UTF-8"?>
+<plist version="1.0">
+<array>
+\t<dict>
+\t\t<key>IOClass</key>
+\t\t<string>AGXAcceleratorG16X</string>
+\t\t<key>gpu-core-count</key>
+\t\t<integer>32</integer>
+\t</dict>
+</array>
+</plist>
+"""
+
+PROFILER_JSON = """\
+{
+  "SPDisplaysDataType" : [
+    {
+      "_name" : "Apple M4 Max",
+      "spdisplays_mtlgpufamilysupport" : "spdisplays_metal3",
+      "sppci_bus" : "spdisplays_builtin",
+      "sppci_cores" : "40",
+      "sppci_model" : "Apple M4 Max"
+    }
+  ]
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "text, cores",
+    [(IOREG_M3_MAX, 30), (IOREG_TREE, 40), (IOREG_XML, 32), ("", None), ("ioreg: command not found", None),
+     ('"gpu-core-count" = 30\n"gpu-core-count" = 40', None),  # two different GPUs: cannot tell
+     ('"gpu-core-count" = 38\n"gpu-core-count" = 38', 38), ('"gpu-core-count" = 0', None),
+     ('"gpu-core-count" = "forty"', None)],
+)
+def test_gpu_cores_from_ioreg(text, cores):
+    assert bandwidth.parse_gpu_cores(text) == cores
+
+
+@pytest.mark.parametrize(
+    "text, cores",
+    [(PROFILER_JSON, 40), ("{}", None), ("", None), ("not json", None), ('{"SPDisplaysDataType": [{"sppci_cores": "x"}]}', None),
+     ('{"SPDisplaysDataType": [{"_name": "Apple M2"}]}', None), ('{"SPDisplaysDataType": "?"}', None)],
+)
+def test_gpu_cores_from_system_profiler(text, cores):
+    assert bandwidth.parse_profiler_gpu_cores(text) == cores
+
+
+def test_gpu_cores_read_from_ioreg_on_macos(monkeypatch):
+    """On macOS the count comes from ioreg; system_profiler only when ioreg has none."""
+    monkeypatch.setattr(bandwidth.platform, "system", lambda: "Darwin")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[0])
+        out = {"ioreg": "no count here", "system_profiler": PROFILER_JSON}[cmd[0]]
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(bandwidth.subprocess, "run", fake_run)
+    bandwidth.gpu_core_count.cache_clear()
+    try:
+        assert bandwidth.gpu_core_count() == 40
+        assert calls == ["ioreg", "system_profiler"]
+    finally:
+        bandwidth.gpu_core_count.cache_clear()
+
+
+def test_no_gpu_cores_off_macos(monkeypatch):
+    monkeypatch.setattr(bandwidth.platform, "system", lambda: "Linux")
+    bandwidth.gpu_core_count.cache_clear()
+    try:
+        assert bandwidth.gpu_core_count() is None
+    finally:
+        bandwidth.gpu_core_count.cache_clear()
 
 
 def test_override_order(monkeypatch, tmp_path):
@@ -23,7 +141,22 @@ def test_override_order(monkeypatch, tmp_path):
     assert bandwidth.peak_bandwidth().source.startswith("env")
     monkeypatch.delenv("MACINFER_PEAK_BW")
     monkeypatch.setattr(bandwidth, "apple_chip", lambda: "Apple M3 Max")
-    assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (400, "apple:M3 Max")
+    monkeypatch.setattr(bandwidth, "gpu_core_count", lambda: 30)
+    assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (300, "apple:M3 Max, 30-core GPU")
+    monkeypatch.setattr(bandwidth, "apple_chip", lambda: "Apple M2 Pro")
+    assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (200, "apple:M2 Pro")
+
+
+def test_unknown_binned_part_falls_back_to_the_probe(monkeypatch, tmp_path):
+    """An M4 Max whose GPU core count cannot be read is not guessed at: the CPU probe measures."""
+    monkeypatch.setenv("MACINFER_HOME", str(tmp_path))
+    monkeypatch.delenv("MACINFER_PEAK_BW", raising=False)
+    monkeypatch.setattr(bandwidth, "apple_chip", lambda: "Apple M4 Max")
+    monkeypatch.setattr(bandwidth, "gpu_core_count", lambda: None)
+    monkeypatch.setattr(bandwidth, "probe_gbps", lambda: 120.0)
+    assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (120.0, "CPU probe, cached")
+    monkeypatch.setattr(bandwidth, "gpu_core_count", lambda: 40)
+    assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (546, "apple:M4 Max, 40-core GPU")
 
 
 def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
@@ -34,8 +167,8 @@ def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(bandwidth, "probe_gbps", lambda: calls.append(1) or 7.5)
     first = bandwidth.peak_bandwidth()
     second = bandwidth.peak_bandwidth()
-    assert (first.gbps, first.source) == (7.5, "probe")
-    assert (second.gbps, second.source) == (7.5, "probe, cached")
+    assert (first.gbps, first.source) == (7.5, "CPU probe")
+    assert (second.gbps, second.source) == (7.5, "CPU probe, cached")
     assert calls == [1]
     assert json.loads((tmp_path / "bandwidth.json").read_text())["gbps"] == 7.5
 
@@ -43,6 +176,22 @@ def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
 def test_real_probe_is_plausible():
     gbps = bandwidth.probe_gbps(mib=32, repeats=2)
     assert 0.5 < gbps < 2000
+
+
+def test_probe_reads_with_several_threads(monkeypatch):
+    """The probe times the whole array on one thread and slices of it on `threads` threads at once."""
+    import threading
+
+    import numpy as np
+
+    calls = []
+    real_sum = np.sum
+    monkeypatch.setattr(np, "sum", lambda a, *k, **kw: calls.append((a.size, threading.get_ident())) or real_sum(a, *k, **kw))
+    assert bandwidth.probe_gbps(mib=9, repeats=2, threads=3) > 0
+    n = 9 * 2**20 // 4
+    assert {size for size, _ in calls} == {n, n // 3}
+    assert threading.get_ident() not in {t for _, t in calls}
+    assert 1 <= bandwidth.probe_threads() <= 16
 
 
 def test_utilisation_arithmetic():

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from driver import run as drive
 from oracle import mlx_lm_greedy
 
 from macinfer.spec.drafter import DraftModelDrafter, NgramDrafter
@@ -93,24 +94,17 @@ def make_draft(kind, m):
     return ScriptedDrafter(m["prompts"], m["want"], right=kind == "right", vocab=m["model"].args.vocab_size)
 
 
+def no_blocks_past_the_tokens(engine):
+    """Rollback freed every block past a sequence's tokens."""
+    pool = engine.block_pool
+    for seq in engine.scheduler.running:
+        assert len(pool.req_to_blocks.get(seq.request_id, [])) <= pool.num_blocks_for(seq.num_tokens), seq
+        assert seq.num_computed_tokens <= seq.num_tokens
+
+
 def run(engine, arrivals):
     """arrivals: (step, prompt, params, rid). Checks the no-leak invariant after every step."""
-    arrivals, outputs, step = list(arrivals), {}, 0
-    pool = engine.block_pool
-    while arrivals or engine.has_unfinished():
-        for a in [a for a in arrivals if a[0] == step]:
-            engine.add_request(a[1], a[2], request_id=a[3])
-            arrivals.remove(a)
-        for d in engine.step():
-            if d.output is not None:
-                outputs[d.request_id] = d.output
-        # Rollback freed every block past a sequence's tokens.
-        for seq in engine.scheduler.running:
-            assert len(pool.req_to_blocks.get(seq.request_id, [])) <= pool.num_blocks_for(seq.num_tokens), seq
-            assert seq.num_computed_tokens <= seq.num_tokens
-        step += 1
-        assert step < 1000
-    return outputs
+    return drive(engine, arrivals, after_step=no_blocks_past_the_tokens)
 
 
 def assert_all_free(engine):
@@ -157,14 +151,14 @@ def test_subset_head_drafts_from_its_kept_columns(models):
                            draft=path, num_speculative_tokens=3, adaptive_speculation=False)
         drafter = engine.spec.drafter
         assert isinstance(drafter, DraftModelDrafter) and drafter.head is not None
-        widths, forward = [], drafter.runner._forward
+        widths, forward = [], drafter.runner.forward
 
-        def spy(sched, forward=forward, widths=widths):
-            logits = forward(sched)
+        def spy(sched, forward=forward, widths=widths, **kw):
+            logits = forward(sched, **kw)
             widths.append(logits.shape[-1])
             return logits
 
-        drafter.runner._forward = spy
+        drafter.runner.forward = spy
         if not narrow:
             drafter.head = None  # the full-width path: SubsetHead's -inf-padded logits
         out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(m["prompts"])])

@@ -45,7 +45,7 @@ def find_peak(override: float | None):
     try:
         return bandwidth.peak_bandwidth(override)
     except ImportError:  # its probe cache lives in macinfer.modelio.embedded; probe uncached
-        return bandwidth.PeakBandwidth(bandwidth.probe_gbps(), "probe")
+        return bandwidth.PeakBandwidth(bandwidth.probe_gbps(), "CPU probe")
     except Exception:
         return None
 

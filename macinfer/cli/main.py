@@ -215,6 +215,7 @@ def _register_optional_commands():
         ("macinfer.cli.quantize", ("quantize_cmd", "eval_cmd")),
         ("macinfer.cli.serve", ("serve_cmd", "bench_cmd", "kv_cmd")),
         ("macinfer.cli.chat", ("chat_cmd",)),
+        ("macinfer.cli.doctor", ("doctor_cmd",)),
     ):
         try:
             mod = importlib.import_module(module)

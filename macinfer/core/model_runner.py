@@ -98,41 +98,41 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def _forward(self, rows: list[ScheduledSequence], all_logits: bool = False) -> mx.array:
+    def forward(self, rows: list[ScheduledSequence], all_logits: bool = False, head=None) -> mx.array:
         """One forward over rows padded to the longest -> each row's last real logits (B, V).
 
-        With all_logits, the logits of every position instead: (B, L, V).
+        Args:
+            rows: each row's sequence and how many new tokens it computes (drafted tokens
+                follow its last real one: macinfer.spec.decoder).
+            all_logits: the logits of every position instead: (B, L, V).
+            head: applied to the final hidden states of the model's body (`model.model`)
+                instead of the model's own head (a draft's head over part of the vocabulary).
 
         Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
         the null block, its queries see only garbage that nobody reads.
         """
-        bs = self.block_size
-        L = max(r.num_new_tokens for r in rows)
-        tokens, blocks, slots, last, starts = [], [], [], [], []
-        for r in rows:
-            seq, start, n = r.seq, r.seq.num_computed_tokens, r.num_new_tokens
-            ids = seq.token_ids[start: start + n]
-            if len(ids) < n:  # drafted tokens follow the last real one (macinfer.spec.decoder)
-                ids = ids + seq.spec_token_ids[: n - len(ids)]
+        counts = [r.num_new_tokens for r in rows]
+        starts = [r.seq.num_computed_tokens for r in rows]
+        L = self.set_context([r.seq.block_table for r in rows], starts, counts)
+        tokens, last = [], [n - 1 for n in counts]
+        for r, start, n in zip(rows, starts, counts):
+            ids = r.seq.token_ids[start: start + n]
+            if len(ids) < n:
+                ids = ids + r.seq.spec_token_ids[: n - len(ids)]
             tokens.append(ids + [0] * (L - n))
-            table = seq.block_table
-            for p in range(start, start + n):
-                blocks.append(table[p // bs])
-                slots.append(p % bs)
-            blocks += [0] * (L - n)
-            slots += [0] * (L - n)
-            last.append(n - 1)
-            starts.append(start)
-        self._set_context(starts, L, [r.seq.block_table for r in rows], blocks, slots)
         if self.states is not None:
-            self.states.bind([r.seq for r in rows], [r.num_new_tokens for r in rows], L)
+            self.states.bind([r.seq for r in rows], counts, L)
         inputs = mx.array(tokens, dtype=mx.int32)
-        if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
-            h = self._hidden(inputs, [r.seq for r in rows], starts, [r.num_new_tokens for r in rows])
+        if self.hidden_sink is not None or head is not None:
+            if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
+                h = self._hidden(inputs, [r.seq for r in rows], starts, counts)
+            else:
+                h = self.model.model(inputs, cache=self.caches)
+            head = head or self._head
             if all_logits:
-                return self._head(h)
+                return head(h)
             h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(rows)), mx.array(last)]
-            return self._head(h)  # (B, V): the head on the sampled positions only
+            return head(h)  # (B, V): the head on the sampled positions only
         if all_logits:
             return self.model(inputs, cache=self.caches)  # (B, L, V)
         logits = (self.model(inputs, cache=self.caches) if L == 1
@@ -143,9 +143,19 @@ class ModelRunner:
             return logits[:, -1, :]
         return logits[mx.arange(len(rows)), mx.array(last)]
 
-    def _set_context(self, starts: list[int], L: int, tables: list[list[int]], blocks: list[int],
-                     slots: list[int]) -> None:
-        """Per-forward metadata every layer's cache reads (rows of L tokens from starts)."""
+    def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> int:
+        """Set the metadata every layer's cache reads for the next forward; returns its length L.
+
+        Row i computes counts[i] new tokens from position starts[i] through its block table
+        tables[i]; rows are right-padded to L = max(counts), and padding writes go to the
+        null block (slot 0 of block 0).
+        """
+        bs = self.block_size
+        L = max(counts)
+        blocks, slots = [], []
+        for table, start, n in zip(tables, starts, counts):
+            blocks += [table[p // bs] for p in range(start, start + n)] + [0] * (L - n)
+            slots += [p % bs for p in range(start, start + n)] + [0] * (L - n)
         c = self.ctx
         c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
         c.block_tables = tables
@@ -153,6 +163,7 @@ class ModelRunner:
         c.slot_blocks = mx.array(blocks, dtype=mx.int32)
         c.slot_offsets = mx.array(slots, dtype=mx.int32)
         c.memo = {}
+        return L
 
     def launch_decode(self, seqs: list, tokens: mx.array) -> mx.array:
         """Async scheduling: queue one decode row per sequence without waiting for anything.
@@ -163,10 +174,8 @@ class ModelRunner:
         can resolve the previous step (and build the next one) while this one computes,
         as mlx-lm's generate_step does. Returns the lazy sampled ids (B,).
         """
-        bs = self.block_size
         starts = [s.num_computed_tokens for s in seqs]
-        self._set_context(starts, 1, [s.block_table for s in seqs],
-                          [s.block_table[p // bs] for s, p in zip(seqs, starts)], [p % bs for p in starts])
+        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs))
         if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
             self.states.bind(seqs, [1] * len(seqs), 1)
         if self.hidden_sink is None:
@@ -221,7 +230,7 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                new = self.verifier(group, rows, self._forward(rows, all_logits=True))
+                new = self.verifier(group, rows, self.forward(rows, all_logits=True))
                 verified += new
                 mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
@@ -229,7 +238,7 @@ class ModelRunner:
 
                     refeed_rejected(self, rows, new, group)
                 continue
-            logits = self._forward(rows)  # (B, V)
+            logits = self.forward(rows)  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
             if greedy:
                 picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]

@@ -251,7 +251,7 @@ def refeed_rejected(runner, rows: list[ScheduledSequence], results: list[tuple[i
         return 0
     runner.states.rollback([r.seq for r in redo])
     for sub in runner._groups(redo):  # unpadded groups for models that ignore lengths
-        runner._forward([redo[i] for i in sub])
+        runner.forward([redo[i] for i in sub])
         mx.eval([c.state for c in runner.caches])  # see ModelRunner.execute_model's NOTE
     return len(redo)
 

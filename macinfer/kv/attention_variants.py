@@ -23,7 +23,7 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite (MLA): mlx-lm already caches the compressed latent
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4 (MLA): mlx-lm already caches the compressed latent
   (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values per token) and expands or absorbs it
   inside attention, asking its cache for the whole context back and for a mask array. The pools
   page exactly that latent (one "KV head": K = latent, V = rope key); the layer is handed a
@@ -36,10 +36,13 @@ While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's a
 kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
 MLA layer reports the latent's shapes (what it pages) instead of the expanded K/V it attends.
 
+- gpt_bigcode builds its learned position ids with np.arange(cache.offset, ...), a Python int:
+  its model body is subclassed to take one position per row from a (B,) offset array.
+
 `batched_offsets_work(model)` answers the other question the engine asks of a model: can it
-take one rope offset per row? gpt_bigcode builds its position ids with
-np.arange(cache.offset, ...), a Python int: a lazy probe with (B,) offsets finds that out, and
-the engine then runs one row per forward (a correct, slower fallback).
+take one offset per row? A lazy forward with (B,) offsets finds out; a model that makes a
+Python int of cache.offset (as gpt_bigcode would without the above) fails it, and the engine
+then runs one row per forward (a correct, slower fallback).
 """
 
 from __future__ import annotations
@@ -183,17 +186,21 @@ class _LatentContext:
         self.cache.update_and_fetch(latent, k_pe)  # pages the compressed latent and the rope key
         return dense_context(self.cache)
 
-    def mask(self, L: int):
-        """mlx-lm's mask for this forward as a boolean array (None for one row of one token)."""
+    def mask(self, L: int, arrays: bool = True):
+        """mlx-lm's mask for this forward (None for one row of one token).
+
+        One row: what mlx-lm's KVCache.make_mask gives, an (L, S) boolean array if the model
+        asks for arrays, else "causal". A batch: (B, 1, L, S) booleans, hiding other rows' padding.
+        """
         ctx, memo = self.cache.ctx, self.cache.ctx.memo
-        key = ("latent_mask", L)
+        key = ("latent_mask", L, arrays)
         if key not in memo:
             lens = ctx.context_lens
             if len(lens) == 1:
                 from mlx_lm.models.base import create_causal_mask
 
-                memo[key] = None if L == 1 else create_causal_mask(L, offset=lens[0] - L)
-            else:  # rows padded to the longest table: hide other rows' padding too
+                memo[key] = None if L == 1 else create_causal_mask(L, offset=lens[0] - L) if arrays else "causal"
+            else:
                 S = dense_context(self.cache)[0].shape[2]
                 pos = mx.array(lens, dtype=mx.int32)[:, None, None] - L + mx.arange(L, dtype=mx.int32)[None, :, None]
                 memo[key] = (mx.arange(S, dtype=mx.int32)[None, None] <= pos)[:, None]  # (B, 1, L, S)
@@ -255,17 +262,55 @@ class _LatentAttention:
     "KV head" (K = latent, V = rope key), and runs mlx-lm's own code over the dense context.
     """
 
+    mask_arrays = True  # the model asks create_attention_mask(..., return_array=True)
+
     def __call__(self, x, mask=None, cache=None):
+        return self._latent(lambda m, c: super(_LatentAttention, self).__call__(x, m, c), x, mask, cache)
+
+    def _latent(self, call, x, mask, cache):
+        """call(mask, cache) runs mlx-lm's attention."""
         if isinstance(cache, PagedKVCache):
             context = _LatentContext(cache)
-            return super().__call__(x, context.mask(x.shape[1]), context)
+            return call(context.mask(x.shape[1], self.mask_arrays), context)
         if _probing() and cache is not None:
             calls, rec = _pc.probe_calls, _ShapeRecorder(cache)
             with _unprobed():
-                out = super().__call__(x, mask, rec)
+                out = call(mask, rec)
             calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
             return out
-        return super().__call__(x, mask, cache)
+        return call(mask, cache)
+
+
+class _Mistral4Attention(_LatentAttention):
+    """mistral4's MLA: the same latent cache; a llama-4 query scale argument, no mask arrays asked."""
+
+    mask_arrays = False
+
+    def __call__(self, x, attn_scale, mask=None, cache=None):
+        return self._latent(lambda m, c: super(_LatentAttention, self).__call__(x, attn_scale, m, c), x, mask, cache)
+
+
+class _GPTBigCodeModel:
+    """GPTBigCodeModel with one position per row when the offsets are a (B,) array (a batched forward).
+
+    mlx-lm builds the learned position ids as np.arange(cache[0].offset, cache[0].offset + L),
+    which needs an int; with per-row offsets this body does the same with row positions
+    offsets[:, None] + arange(L) (the layers themselves never read the offset: no rope).
+    """
+
+    def __call__(self, inputs, cache=None):
+        offsets = cache[0].offset if cache is not None else 0
+        if not (isinstance(offsets, mx.array) and offsets.ndim == 1):
+            return super().__call__(inputs, cache)
+        from mlx_lm.models.base import create_attention_mask
+
+        B, L = inputs.shape
+        hidden_states = self.wte(inputs)
+        mask = create_attention_mask(hidden_states, cache[0])
+        hidden_states += self.wpe(offsets[:, None] + mx.arange(L))  # (B, L) positions
+        for layer, c in zip(self.h, cache):
+            hidden_states = layer(hidden_states, mask, cache=c)
+        return self.ln_f(hidden_states)
 
 
 # mlx-lm module -> {attention class name: mixin}
@@ -275,6 +320,8 @@ _VARIANTS = {
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
+    "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
+    "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
 _MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")

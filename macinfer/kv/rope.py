@@ -145,8 +145,10 @@ def rotation_matches(args: tuple, dtype=mx.float32, head_dim: int | None = None)
     compile costs up to ~0.7 s: spec decoding's step-cost model would learn it).
     """
     dims = args[0]
-    D = head_dim or dims
-    for B, L in ((1, 1), (1, 5), (3, 1), (3, 5)):
+    # The engine's head_dim (partial rotation when wider) and exactly dims (full width): the head_dim
+    # handed in is the first layer's K width, which an MLA layer's latent does not share with its rope.
+    shapes = [(D, B, L) for D in {max(head_dim or dims, dims), dims} for B, L in ((1, 1), (1, 5), (3, 1), (3, 5))]
+    for D, B, L in shapes:
         x = mx.random.normal((B, L, 4, D), key=mx.random.key(B * 10 + L)).astype(dtype).transpose(0, 2, 1, 3)
         offset = 37 if B == 1 else mx.array([0, 513, 4099], dtype=mx.int32)
         want = mx.fast.rope(x, dims, traditional=args[1], base=args[2], scale=args[3], offset=offset, freqs=args[4])

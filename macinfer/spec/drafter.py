@@ -333,13 +333,8 @@ class DraftModelDrafter:
     def _forward(self, sched: list) -> mx.array:
         """Each row's next-token logits: (B, V), or (B, N) over the kept columns of a SubsetHead."""
         if self.head is None:
-            return self.runner._forward(sched)
-        # The graph is built inside the call, so the narrow head is in place only while it is.
-        self.model.lm_head = lambda h: h @ self.head.weight.T
-        try:
-            return self.runner._forward(sched)
-        finally:
-            self.model.lm_head = self.head
+            return self.runner.forward(sched)
+        return self.runner.forward(sched, head=lambda h: h @ self.head.weight.T)
 
     def remove(self, request_id: str) -> None:
         st = self.states.pop(request_id, None)

@@ -244,19 +244,9 @@ class FeatureDrafter:
 
     def _run(self, sts: list[_FeatState], tokens: list[list[int]], feats: list[mx.array]) -> mx.array:
         """One draft forward: rows padded at the end to the longest -> each row's last f^ (B, D)."""
-        bs = self.pool.block_size
-        L = max(len(t) for t in tokens)
+        starts = [st.num_computed_tokens for st in sts]
+        L = self.runner.set_context([st.block_table for st in sts], starts, [len(t) for t in tokens])
         D = feats[0].shape[-1]
-        blocks, slots, starts = [], [], []
-        for st, t in zip(sts, tokens):
-            start = st.num_computed_tokens
-            for p in range(start, start + len(t)):
-                blocks.append(st.block_table[p // bs])
-                slots.append(p % bs)
-            blocks += [0] * (L - len(t))
-            slots += [0] * (L - len(t))
-            starts.append(start)
-        self.runner._set_context(starts, L, [st.block_table for st in sts], blocks, slots)
         x = mx.array([t + [0] * (L - len(t)) for t in tokens], dtype=mx.int32)
         f = mx.stack([a if a.shape[0] == L else mx.concatenate([a, mx.zeros((L - a.shape[0], D), a.dtype)])
                       for a in feats])

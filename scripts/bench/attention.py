@@ -18,21 +18,7 @@ Usage: python scripts/bench/attention.py [--contexts 1024,2048,...,32768] [--bat
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-
-
-def median_ms(fn, repeats: int) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())  # warm-up (and kernel compilation)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def make_problem(ctx, a, dtype):
@@ -80,6 +66,7 @@ def main(argv=None):
 
     from macinfer.kv import metal_attention as ma
     from macinfer.kv.paged_attention import paged_attention
+    from macinfer.perf.timing import median_ms
 
     metal = ma.metal_available()
     dtype = getattr(mx, a.dtype or ("float16" if metal else "float32"))

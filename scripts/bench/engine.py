@@ -225,7 +225,7 @@ def bench_overhead(model, tok, batch=32, steps=200):
     t0 = time.perf_counter()
     for _ in range(50):
         real.runner.ctx.offsets = None
-        real.runner._forward(sched.scheduled)  # graph only, never evaluated
+        real.runner.forward(sched.scheduled)  # graph only, never evaluated
     build = (time.perf_counter() - t0) / 50
     print(f"  engine step at batch {batch} with a stub runner (schedule + bookkeeping + detokenize): "
           f"{per_step * 1e3:.3f} ms/step")

@@ -1,0 +1,159 @@
+"""`macinfer doctor`: every check reported as ran / skipped / failed, one line each, never a traceback.
+
+This host has no Metal, so the kernel checks must be skipped with a reason; their Mac
+path is run here against a stand-in kernel (the engine's own reference attention,
+or a wrong one) with a small grid.
+"""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from macinfer.cli import doctor
+from macinfer.cli.main import main
+from macinfer.kv import metal_attention as ma
+from macinfer.kv.paged_attention import paged_attention
+
+STATUSES = {"ran", "skipped", "failed"}
+
+
+@pytest.fixture(autouse=True)
+def _home(monkeypatch, tmp_path):
+    """The bandwidth probe's cache in a temporary home; no peak override from the environment."""
+    monkeypatch.setenv("MACINFER_HOME", str(tmp_path))
+    monkeypatch.delenv("MACINFER_PEAK_BW", raising=False)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["doctor", *args])
+
+
+def test_json_quick_on_this_host():
+    r = invoke("--json", "--quick")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)  # the whole of stdout is one object
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == list(doctor.CHECKS)
+    for c in report["checks"]:
+        assert c["status"] in STATUSES, c
+        assert isinstance(c["figures"], dict)
+        assert (c.get("summary") if c["status"] == "ran" else c.get("reason")), c
+    for name in ("system", "software", "metal", "bandwidth"):
+        assert checks[name]["status"] == "ran", checks[name]
+    assert checks["metal"]["figures"]["available"] is False
+    for name in ("kernel_self_check", "kernel_timing"):
+        assert checks[name]["status"] == "skipped"
+        assert "no Metal" in checks[name]["reason"]
+    assert checks["decode"]["status"] == "skipped" and "--quick" in checks["decode"]["reason"]
+    assert checks["software"]["figures"]["mlx"] == mx.__version__
+    bw = checks["bandwidth"]["figures"]
+    assert bw["gbps"] > 0 and bw["source"] == "CPU probe"
+    assert checks["system"]["figures"]["python"].count(".") == 2
+
+
+def test_text_is_one_line_per_check():
+    r = invoke("--quick")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(doctor.CHECKS)
+    for name, line in zip(doctor.CHECKS, lines):
+        fields = line.split()
+        assert fields[0] == name and fields[1] in STATUSES, line
+    assert "Metal available: no" in lines[doctor.CHECKS.index("metal")]
+    assert "CPU probe" in lines[doctor.CHECKS.index("bandwidth")]
+
+
+def test_a_check_that_raises_is_one_failed_line(monkeypatch):
+    def boom(ctx):
+        raise RuntimeError("boom\n  in a second line")
+
+    monkeypatch.setattr(doctor, "check_software", boom)
+    r = invoke("--quick")
+    assert r.exit_code == 1
+    assert "Traceback" not in r.output
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(doctor.CHECKS)  # the others still ran
+    assert lines[1].split()[:2] == ["software", "failed"]
+    assert lines[1].endswith("RuntimeError: boom in a second line")
+    r = invoke("--quick", "--json")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    software = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "software")
+    assert (software["status"], software["reason"]) == ("failed", "RuntimeError: boom in a second line")
+
+
+def test_help_has_an_example():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    assert "macinfer doctor --quick --json" in r.output
+    assert "doctor" in CliRunner().invoke(main, ["--help"]).output
+
+
+def test_stdout_is_only_the_json_object_in_a_real_process(tmp_path):
+    code = "from macinfer.cli.main import main; main()"
+    p = subprocess.run([sys.executable, "-c", code, "doctor", "--json", "--quick"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert len(p.stdout.strip().splitlines()) == 1
+    assert {c["name"] for c in json.loads(p.stdout)["checks"]} == set(doctor.CHECKS)
+    assert "Traceback" not in p.stderr
+
+
+@pytest.fixture
+def fake_metal(monkeypatch):
+    """Pretend Metal is here, with the engine's reference as 'the kernel' and small grids."""
+    monkeypatch.setattr(ma, "metal_available", lambda: True)
+    monkeypatch.setattr(ma, "build_kernel", lambda: None)
+    monkeypatch.setattr(ma, "paged_attention_metal", paged_attention)
+    monkeypatch.setattr(doctor, "GRID_HEAD_DIMS", (64,))
+    monkeypatch.setattr(doctor, "GRID_BLOCK_SIZES", (16,))
+    monkeypatch.setattr(doctor, "TIMING_BATCHES", (1, 2))
+    monkeypatch.setattr(doctor, "TIMING_CONTEXTS", (32, 48))
+
+
+def test_kernel_checks_on_a_mac(fake_metal):
+    results = {r["name"]: r for r in doctor.run_checks(quick=True)}
+    check = results["kernel_self_check"]
+    assert check["status"] == "ran", check
+    assert check["figures"]["cases"] == len(ma.SUPPORTED_DTYPES) * len(ma.self_check_cases(16, 64))
+    assert set(check["figures"]["max_abs_diff"]) == {"float32", "float16", "bfloat16"}
+    timing = results["kernel_timing"]
+    assert timing["status"] == "ran", timing
+    rows = timing["figures"]["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (1, 48), (2, 32), (2, 48)]
+    assert all(r["kernel_ms"] > 0 and r["sdpa_ms"] > 0 and r["kernel_over_sdpa"] > 0 for r in rows)
+    assert "b2" in timing["summary"] and "x)" in timing["summary"]
+    assert results["metal"]["figures"]["available"] is True
+
+
+def test_a_wrong_kernel_fails_its_check_and_is_not_timed(fake_metal, monkeypatch):
+    def wrong(*args, **kw):
+        return paged_attention(*args, **kw) + 0.5
+
+    monkeypatch.setattr(ma, "paged_attention_metal", wrong)
+    r = invoke("--quick")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["kernel_self_check"].split()[1] == "failed"
+    assert "disagrees with the reference" in lines["kernel_self_check"]
+    assert lines["kernel_timing"].split()[1] == "skipped"
+    assert "self-check" in lines["kernel_timing"]
+
+
+def test_decode_check_reports_bandwidth_utilisation(tiny_models, monkeypatch):
+    """The decode check's plumbing on a tiny model (the embedded one takes a minute or more here)."""
+    monkeypatch.setattr(doctor, "DECODE_MODEL", str(tiny_models("llama")))
+    monkeypatch.setattr(doctor, "DECODE_TOKENS", 8)
+    monkeypatch.setenv("MACINFER_PEAK_BW", "100")
+    ctx = {"quick": False}
+    doctor.run_check("bandwidth", ctx)
+    result = doctor.run_check("decode", ctx)
+    assert result["status"] == "ran", result
+    f = result["figures"]
+    assert f["generation_tokens"] == 8 and f["attention"] == "reference"
+    assert f["peak_bandwidth_gbps"] == 100 and f["peak_bandwidth_source"].startswith("env")
+    assert f["bandwidth_utilisation"] == pytest.approx(f["bytes_per_decode_step"] * f["decode_tps"] / 100e9, rel=0.05)
+    assert "8 tokens" in result["summary"] and "% of 100.0 GB/s" in result["summary"]
