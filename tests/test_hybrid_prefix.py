@@ -16,7 +16,7 @@ from macinfer.core.prefix_cache import hash_blocks
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.state_snapshots import StateSnapshots
 from macinfer.engine.llm_engine import LLMEngine
-from test_hybrid import ScriptedDrafter, assert_all_free, hybrid, model_vocab, oracle, run  # noqa: F401 (fixture)
+from test_hybrid import ScriptedDrafter, assert_all_free, hybrid, model_vocab, oracle, run, uneven  # noqa: F401
 
 FAMILIES = ["qwen3_next", "lfm2", "mamba2"]
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -48,7 +48,9 @@ def engine_for(model, tok, **kw):
     opts = dict(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=4,
                 state_snapshot_memory=f"{16 * 64 << 10}B")
     opts.update(kw)
-    return LLMEngine(model, tok, None, **opts)
+    engine = LLMEngine(model, tok, None, **opts)
+    engine.scheduler.min_snapshot_tokens = engine.scheduler.min_spare_tokens = 0  # tiny prompts: snapshot anyway
+    return engine
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -164,6 +166,21 @@ def test_snapshots_go_with_their_blocks(hybrid, name):
     assert h20 not in engine.snapshots and engine.snapshots.stats.dropped > 0
     again = run(engine, [(0, first, PARAMS, "b")])["b"]
     assert again.metrics.cached_tokens == 0 and again.token_ids == oracle(model, first, 10)
+    assert_snapshots_exact(engine)
+
+
+def test_short_prompts_are_not_cut_for_snapshots(hybrid, uneven):
+    path, model, tok = hybrid("lfm2")
+    rng = random.Random(4)
+    engine = LLMEngine(model, tok, None, num_blocks=256, block_size=4, max_num_batched_tokens=512, max_num_seqs=2,
+                       state_snapshot_memory="64KiB")
+    short, long_ = rand(rng, 40), rand(rng, 270)
+    out = run(engine, [(0, short, PARAMS, "short")])
+    assert uneven["forwards"] == 10 and len(engine.snapshots) == 1  # one prefill forward; the reply's snapshot
+    out |= run(engine, [(0, long_, PARAMS, "long")])
+    # 270 tokens: cut at 252 (the last full block before the last token), 248, 244 and 236 (spare).
+    assert uneven["forwards"] == 10 + 5 + 9 and len(engine.snapshots) == 1 + 4 + 1
+    assert out["long"].token_ids == oracle(model, long_, 10) and out["short"].token_ids == oracle(model, short, 10)
     assert_snapshots_exact(engine)
 
 

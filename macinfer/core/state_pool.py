@@ -111,6 +111,11 @@ class StateScheduler(Scheduler):
         self._full_hit: dict[str, int] = {}  # request id -> tokens its cached blocks covered at admission
         self._spare: dict[str, set[int]] = {}  # request id -> the targets that are guesses (StateSnapshots.put)
 
+    # A chunk cut short for a snapshot costs a forward: no cut before min_snapshot_tokens, and spare
+    # snapshots only for prompts whose last one is at least min_spare_tokens in (tests lower both).
+    min_snapshot_tokens = 64
+    min_spare_tokens = 256
+
     @property
     def _caching(self) -> bool:
         return self.snapshots is not None and self.block_pool.enable_caching
@@ -129,8 +134,8 @@ class StateScheduler(Scheduler):
         # some earlier request shared (a system prompt?), if the hit had to stop short; and, spare,
         # 1, 2 and 4 blocks before the last one (the same prompt with another short tail).
         last = (seq.num_prompt_tokens - 1) // bs * bs
-        targets = {last, len(blocks) * bs}
-        spare = {last - k * bs for k in SPARE_BLOCKS} - targets
+        targets = {t for t in (last, len(blocks) * bs) if t >= self.min_snapshot_tokens}
+        spare = {last - k * bs for k in SPARE_BLOCKS} - targets if last >= self.min_spare_tokens else set()
         self._targets[seq.request_id] = sorted(t for t in targets | spare if t > n * bs)
         self._spare[seq.request_id] = spare
         self._full_hit[seq.request_id] = len(blocks) * bs

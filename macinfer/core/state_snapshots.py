@@ -6,7 +6,8 @@ copies of a sequence's state (one slot's worth of arrays, macinfer.kv.state_cach
 block boundaries, keyed by the hash of the block ending there. Block hashes chain the whole
 prefix (macinfer.core.prefix_cache), so the hash names the exact tokens the state consumed.
 
-Which boundaries (StateScheduler picks them; a prefill chunk is capped to end there):
+Which boundaries (StateScheduler picks them; a prefill chunk is capped to end there, which costs a
+forward: none before 64 tokens, and spare ones only in prompts of 256+ tokens):
   - the end of a prompt's last full block strictly before its last token: the same prompt
     again, or a second chat turn extending it, starts there;
   - 1, 2 and 4 blocks before that (*spare* snapshots, first to be dropped): a prompt that
