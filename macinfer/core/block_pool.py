@@ -132,6 +132,8 @@ class BlockPool:
         self.req_to_block_hashes: dict[str, list[bytes]] = {}  # the chain over a request's full blocks
         self.num_cached_block: dict[str, int] = {}  # leading blocks of a request already cached
         self.store: PrefixStore | None = None  # the persistent tier, if any
+        # Called with a hash when its block is evicted (macinfer.core.state_snapshots drops its state).
+        self.on_evict = None
         self.stats = PrefixCacheStats()
 
     # -- low level --------------------------------------------------------------------
@@ -175,6 +177,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
             self.stats.blocks_evicted += 1
 

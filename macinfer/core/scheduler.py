@@ -117,7 +117,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._cap(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if self._never_fits(seq, n):
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 out.finished.append(seq)
@@ -152,11 +152,12 @@ class Scheduler:
                 out.finished.append(seq)
                 continue
             # Prefix cache: start from the longest cached prefix ([] and 0 when off).
-            cached, num_cached = pool.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_cached, budget)
+            cached, num_cached = self._computed_blocks(seq)
+            n = self._cap(seq, num_cached, min(seq.num_tokens - num_cached, budget))
             if not pool.allocate_slots(seq, n, cached):
                 break
             seq.num_computed_tokens = num_cached
+            self._admitted(seq)
             if seq.num_preemptions == 0:
                 seq.metrics.cached_tokens = num_cached
             self.waiting.popleft()
@@ -165,6 +166,18 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         return out
+
+    # -- hooks (macinfer.core.state_pool.StateScheduler) --------------------------------------
+    def _computed_blocks(self, seq: Sequence):
+        """The prefix hit an admitted seq starts from: (blocks, tokens)."""
+        return self.block_pool.get_computed_blocks(seq)
+
+    def _cap(self, seq: Sequence, start: int, n: int) -> int:
+        """How many of the n tokens from start seq computes this step."""
+        return n
+
+    def _admitted(self, seq: Sequence) -> None:
+        """seq got its blocks and starts at num_computed_tokens."""
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step ran: its tokens' K/V are now in the cache.

@@ -90,27 +90,143 @@ class StatePool:
         }
 
 
-class StateScheduler(Scheduler):
-    """The Scheduler, plus a state slot per running sequence (models with recurrent layers)."""
+SPARE_BLOCKS = (1, 2, 4)  # spare snapshots this many blocks before a prompt's last one (StateScheduler)
 
-    def __init__(self, config: SchedulerConfig, block_pool, state_pool: StatePool):
+
+class StateScheduler(Scheduler):
+    """The Scheduler, plus a state slot per running sequence (models with recurrent layers), and with
+    the prefix cache on, state snapshots at block boundaries (macinfer.core.state_snapshots).
+
+    Args:
+        states: the runner's StateStore (snapshots copy and restore its slots).
+        snapshots: the StateSnapshots, or None when the prefix cache is off.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_pool, state_pool: StatePool, states=None, snapshots=None):
         super().__init__(config, block_pool)
         self.state_pool = state_pool
+        self.states = states
+        self.snapshots = snapshots
+        self._targets: dict[str, list[int]] = {}  # request id -> positions to snapshot at (chunks end there)
+        self._full_hit: dict[str, int] = {}  # request id -> tokens its cached blocks covered at admission
+        self._spare: dict[str, set[int]] = {}  # request id -> the targets that are guesses (StateSnapshots.put)
 
-    def schedule(self) -> SchedulerOutput:
-        out = super().schedule()
-        for s in out.scheduled:  # admitted this step (fresh, or again after a preemption)
-            if s.seq not in self.state_pool:
-                self.state_pool.allocate(s.seq)
-        return out
+    # A chunk cut short for a snapshot costs a forward: no cut before min_snapshot_tokens, and spare
+    # snapshots only for prompts whose last one is at least min_spare_tokens in (tests lower both).
+    min_snapshot_tokens = 64
+    min_spare_tokens = 256
+
+    @property
+    def _caching(self) -> bool:
+        return self.snapshots is not None and self.block_pool.enable_caching
+
+    def _computed_blocks(self, seq: Sequence):
+        """The prefix hit, shortened to the last hit block with a snapshot; picks seq's snapshot targets."""
+        if not self._caching:
+            return [], 0
+        pool, snaps, bs = self.block_pool, self.snapshots, self.block_pool.block_size
+        blocks, _ = pool.get_computed_blocks(seq)
+        hashes = pool.req_to_block_hashes.get(seq.request_id, [])
+        n = len(blocks)
+        while n and hashes[n - 1] not in snaps:
+            n -= 1
+        # The prompt's last full block before its last token; where its cached blocks end, a prefix
+        # some earlier request shared (a system prompt?), if the hit had to stop short; and, spare,
+        # 1, 2 and 4 blocks before the last one (the same prompt with another short tail).
+        last = (seq.num_prompt_tokens - 1) // bs * bs
+        targets = {t for t in (last, len(blocks) * bs) if t >= self.min_snapshot_tokens}
+        spare = {last - k * bs for k in SPARE_BLOCKS} - targets if last >= self.min_spare_tokens else set()
+        self._targets[seq.request_id] = sorted(t for t in targets | spare if t > n * bs)
+        self._spare[seq.request_id] = spare
+        self._full_hit[seq.request_id] = len(blocks) * bs
+        return blocks[:n], n * bs
+
+    def _cap(self, seq: Sequence, start: int, n: int) -> int:
+        for t in self._targets.get(seq.request_id, ()):
+            if start < t < start + n:
+                return t - start  # the chunk ends at the snapshot position
+        return n
+
+    def _admitted(self, seq: Sequence) -> None:
+        """A slot for seq (fresh, or again after a preemption), restored from the snapshot its hit ends on."""
+        slot = self.state_pool.allocate(seq)
+        computed = seq.num_computed_tokens
+        if computed:
+            h = self.block_pool.req_to_block_hashes[seq.request_id][computed // self.block_pool.block_size - 1]
+            self.states.restore(slot, self.snapshots.get(h))
+        if self._caching and self._full_hit.pop(seq.request_id, 0) > computed:
+            self.snapshots.stats.shortened += 1
+
+    def take_snapshots(self, seqs: list[Sequence], lazy: bool = False) -> int:
+        """After a forward: copy the state of each seq that stands at a block boundary worth keeping.
+
+        At one of its targets, the copy is stored under the hash of the block ending there; past its
+        prompt, it becomes the sequence's pending snapshot (stored when it finishes). Each seq's
+        num_computed_tokens must be where its slot's state is. lazy: queue the copies with
+        mx.async_eval (a pipelined step in flight) instead of evaluating them now.
+
+        Returns:
+            How many copies were made.
+        """
+        if not self._caching:
+            return 0
+        pool, snaps, bs = self.block_pool, self.snapshots, self.block_pool.block_size
+        copies = []
+        for seq in seqs:
+            pos = seq.num_computed_tokens
+            if not pos or pos % bs or seq not in self.state_pool:
+                continue
+            if pos in self._targets.get(seq.request_id, ()):
+                hashes = pool.block_hashes(seq, pos // bs)
+                h = hashes[-1] if len(hashes) == pos // bs else None
+                if h is None or h in snaps or h not in pool.cached_block_hash_to_block:
+                    continue
+                arrays = self.states.snapshot(self.state_pool.slot_of(seq))
+                if arrays is not None and snaps.put(h, arrays, spare=pos in self._spare.get(seq.request_id, ())):
+                    copies.append(arrays)
+            elif pos >= seq.num_prompt_tokens:
+                arrays = self.states.snapshot(self.state_pool.slot_of(seq))
+                if arrays is not None and snaps.put_pending(seq.request_id, pos, arrays):
+                    copies.append(arrays)
+        if copies:
+            (mx.async_eval if lazy else mx.eval)(copies)
+        return len(copies)
+
+    def _promote(self, seq: Sequence) -> None:
+        """seq stops: its pending snapshot becomes an entry if the block it ends is findable.
+
+        NOTE: a pipelined step may have run one row past a stop token that never joined token_ids;
+        a snapshot past num_tokens is that row's, and is dropped.
+        """
+        if self.snapshots is None:
+            return
+        pending = self.snapshots.take_pending(seq.request_id)
+        if pending is None or not self._caching:
+            return
+        pos, arrays = pending
+        if pos > seq.num_tokens:
+            return
+        pool = self.block_pool
+        hashes = pool.block_hashes(seq, pos // pool.block_size)
+        if len(hashes) == pos // pool.block_size and hashes[-1] in pool.cached_block_hash_to_block:
+            self.snapshots.put(hashes[-1], arrays)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._targets.pop(seq.request_id, None)
+        self._full_hit.pop(seq.request_id, None)
+        self._spare.pop(seq.request_id, None)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._promote(seq)  # its readmission can start there
         super()._preempt(seq)
-        self.state_pool.free(seq)  # recomputed from scratch, like its blocks
+        self.state_pool.free(seq)  # recomputed from the last snapshot, or from scratch, like its blocks
+        self._forget(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._promote(seq)
         super().finish(seq, status)
         self.state_pool.free(seq)
+        self._forget(seq)
 
 
 def refeed_rejected(runner, rows: list[ScheduledSequence], results: list[tuple[int, mx.array]], group: list[int]) -> int:

@@ -47,6 +47,10 @@ class EngineConfig:
             against the reference, else the reference), "metal" or "reference".
         async_scheduling: overlap building each decode step with the previous
             step's compute (module docstring); outputs are the same either way.
+        state_snapshot_memory: models with recurrent state layers, prefix cache on: what the
+            recurrent-state snapshots at block boundaries may hold (macinfer.core.state_snapshots),
+            bytes or "256MB", out of the KV budget. None: one per state slot (max_num_seqs), at
+            most a quarter of the budget the slots leave (with num_blocks: on top of it).
     """
 
     kv_memory: int | str | None = None
@@ -67,6 +71,7 @@ class EngineConfig:
     kv_group_size: int | None = None
     attention: str = "auto"
     async_scheduling: bool = True
+    state_snapshot_memory: int | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -95,8 +100,10 @@ def default_kv_memory(weight_bytes: int) -> int:
     return 1 << 30
 
 
-def setup_prefix_cache(engine, config) -> str | None:
+def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
     """Turn on prefix caching in engine's BlockPool (and its persistent tier) per config.
+
+    persist=False keeps the persistent tier off whatever config says.
 
     Returns:
         The model identity, or None when the prefix cache is off.
@@ -108,7 +115,7 @@ def setup_prefix_cache(engine, config) -> str | None:
     pool.enable_caching = True
     pool.cache_root = bytes.fromhex(model_id)
     # NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
-    if config.persist_prefix_cache and not getattr(config, "kv_bits", None):
+    if persist and config.persist_prefix_cache and not getattr(config, "kv_bits", None):
         root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
         root = root.expanduser()
         pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.caches, engine.block_size,

@@ -18,7 +18,8 @@ default, on a Mac: the recommended Metal working set minus the weights minus a
 margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
 Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
-slots out of the same budget first.
+slots out of the same budget first, and with the prefix cache on their state snapshots
+(macinfer.core.state_snapshots; state_snapshot_memory).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.core.state_pool import StatePool, StateScheduler, check_drafter
+from macinfer.core.state_snapshots import StateSnapshots
 from macinfer.spec.speculator import make_spec_decoder
 
 class LLMEngine(PipelinedSteps):
@@ -76,10 +78,18 @@ class LLMEngine(PipelinedSteps):
         # the same budget (macinfer.core.state_pool).
         states = getattr(self.specs, "states", None)
         self.state_bytes = config.max_num_seqs * self.specs.bytes_per_slot if states else 0
+        # With the prefix cache on, their snapshots at block boundaries too (macinfer.core.state_snapshots):
+        # state_snapshot_memory, or as many as there are slots, at most a quarter of what the slots leave.
+        snapshots = bool(states) and config.enable_prefix_cache
+        self.snapshot_bytes = 0
+        if snapshots and config.state_snapshot_memory is not None:
+            self.snapshot_bytes = parse_bytes(config.state_snapshot_memory, "the state snapshot memory")
         weight_bytes = getattr(info, "weight_bytes", 0)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
-            self.kv_budget = num_blocks * self.bytes_per_block + self.state_bytes
+            if snapshots and config.state_snapshot_memory is None:
+                self.snapshot_bytes = self.state_bytes
+            self.kv_budget = num_blocks * self.bytes_per_block + self.state_bytes + self.snapshot_bytes
         else:
             self.kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
                               else default_kv_memory(weight_bytes))
@@ -88,10 +98,16 @@ class LLMEngine(PipelinedSteps):
                     f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "
                     f"{fmt_bytes(self.state_bytes, binary=True)}, more than the {fmt_bytes(self.kv_budget, binary=True)} "
                     "KV budget: raise kv_memory or lower max_num_seqs")
+            if snapshots and config.state_snapshot_memory is None:
+                self.snapshot_bytes = min(self.state_bytes, (self.kv_budget - self.state_bytes) // 4)
+            if self.state_bytes + self.snapshot_bytes >= self.kv_budget:
+                raise MacinferError(
+                    f"{model_type}: state snapshots of {fmt_bytes(self.snapshot_bytes, binary=True)} leave no room in "
+                    f"the {fmt_bytes(self.kv_budget, binary=True)} KV budget: lower state_snapshot_memory")
             # The null block counts against the budget; no point holding more than
             # max_num_seqs full-length sequences could fill.
             useful = (config.max_num_seqs * -(-self.max_model_len // bs) + 1) * self.bytes_per_block
-            num_blocks = (min(self.kv_budget - self.state_bytes, useful) // self.bytes_per_block if self.bytes_per_block
+            num_blocks = (min(self.kv_budget - self.state_bytes - self.snapshot_bytes, useful) // self.bytes_per_block if self.bytes_per_block
                           else min(1 << 16, config.max_num_seqs * -(-self.max_model_len // bs) + 1))  # no attention: free
             if num_blocks < 2:
                 raise MacinferError(
@@ -101,11 +117,14 @@ class LLMEngine(PipelinedSteps):
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                                   kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self.state_pool = None
+        self.state_pool = self.snapshots = None
         if states:
             self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot, release=self.runner.states.release)
             self.runner.states.slot_of = self.state_pool.slot_of
-            self.scheduler = StateScheduler(sched_config, self.block_pool, self.state_pool)
+            if snapshots:
+                self.snapshots = StateSnapshots(self.snapshot_bytes, self.specs.bytes_per_slot)
+            self.scheduler = StateScheduler(sched_config, self.block_pool, self.state_pool, self.runner.states,
+                                            self.snapshots)
         else:
             self.scheduler = Scheduler(sched_config, self.block_pool)
         from macinfer.kv.metal_attention import select_attention
@@ -116,11 +135,11 @@ class LLMEngine(PipelinedSteps):
                                                       block_size=bs) if self.specs else (None, "none")
         if self.attention_backend != "reference":
             self.runner.ctx.attention_fn = fn
-        # NOTE: no prefix cache for models with recurrent state layers yet: a cached KV block is no use
-        # without the state after the same tokens (state snapshots at block boundaries are a follow-up).
-        if states:
-            config.enable_prefix_cache = False  # so config (the TUI's status, ...) says what happens
-        self.model_id = setup_prefix_cache(self, config)  # None when off
+        # NOTE: models with recurrent state layers use a cached block only with a snapshot of the state
+        # after it (macinfer.core.state_snapshots), and those stay in memory: no disk tier for them.
+        self.model_id = setup_prefix_cache(self, config, persist=not states)  # None when off
+        if self.snapshots is not None:
+            self.block_pool.on_evict = self.snapshots.drop  # a snapshot lives as long as its block's hash
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
                                       self.block_pool, self.runner)  # None: no draft
         if self.spec is not None:
@@ -153,6 +172,7 @@ class LLMEngine(PipelinedSteps):
             + (f"; recurrent state: {self.state_pool.num_slots} slots x "
                f"{fmt_bytes(self.state_pool.bytes_per_slot, binary=True)} = {fmt_bytes(self.state_bytes, binary=True)} "
                f"({len(self.specs.states)} state layers)" if self.state_pool is not None else "")
+            + (f"; state snapshots: {fmt_bytes(self.snapshot_bytes, binary=True)}" if self.snapshots is not None else "")
         )
 
     def kv_stats(self) -> dict:
@@ -175,6 +195,7 @@ class LLMEngine(PipelinedSteps):
             "waiting": len(self.scheduler.waiting),
             **prefix_cache_stats(self.block_pool),
             **(self.state_pool.stats() if self.state_pool is not None else {}),
+            **(self.snapshots.stats_dict() if self.snapshots is not None else {}),
         }
 
     # -- requests -----------------------------------------------------------------------
@@ -261,9 +282,13 @@ class LLMEngine(PipelinedSteps):
                 s.seq.metrics.first_scheduled_time = now
         tokens = self.runner.execute_model(out.scheduled)
         self.scheduler.update_from_output(out)
+        if self.snapshots is not None:  # states at block boundaries, before a finishing row's slot goes
+            self.scheduler.take_snapshots([s.seq for s in out.scheduled if not s.num_spec_tokens])
         deltas += self._append_tokens(out.scheduled, tokens)
         if self.spec is not None:  # accepted drafts count as computed now; acceptance, costs
             self.spec.update_from_output(out.scheduled, tokens, time.perf_counter() - t0)
+            if self.snapshots is not None:  # rows that verified drafts: their state is at num_computed_tokens now
+                self.scheduler.take_snapshots([s.seq for s in out.scheduled if s.num_spec_tokens and not s.seq.is_finished])
         return deltas
 
     def _append_tokens(self, scheduled: list, tokens: list) -> list[StreamDelta]:

@@ -35,7 +35,7 @@ class InFlight:
 class PipelinedSteps:
     """LLMEngine's pipelined steps (a mixin, as vLLM keeps its AsyncScheduler apart).
 
-    NOTE: it reads the engine's config, scheduler, block_pool, runner and spec, and keeps
+    NOTE: it reads the engine's config, scheduler, block_pool, runner, spec and snapshots, and keeps
     `_inflight` (the step queued and not yet read back) and `_last_resolve`; a
     synchronous step runs only while `_inflight` is None.
     """
@@ -106,6 +106,8 @@ class PipelinedSteps:
         sampled = self.runner.launch_decode(rows, tokens)
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
+        if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
+            self.scheduler.take_snapshots(rows, lazy=True)
         return InFlight(rows, sampled)
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:

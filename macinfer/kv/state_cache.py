@@ -272,6 +272,29 @@ class StateStore:
             else:
                 self._where[slot] = before
 
+    # -- snapshots (macinfer.core.state_snapshots) ----------------------------------------
+    def snapshot(self, slot: int) -> list | None:
+        """A copy of slot's state: [layer][k] arrays of shape (1, ...), each a buffer of its own.
+
+        Lazy (the caller evaluates it). A gather, never a slice: a row slice of a contiguous
+        batch array may stay a view of the whole batch's buffer. None for a fresh slot.
+        """
+        where = self._where.get(slot)
+        if where is None:
+            return None
+        batch, row = where
+        if any(a is None for layer in batch.arrays for a in layer):
+            return None
+        idx = mx.array([row], dtype=mx.int32)
+        return [[mx.take(a, idx, axis=0) for a in layer] for layer in batch.arrays]
+
+    def restore(self, slot: int, arrays: list) -> None:
+        """Give slot the state of a snapshot (shared, not copied: nothing writes a state in place)."""
+        self.release(slot)
+        batch = _Batch([len(layer) for layer in arrays], 1)
+        batch.arrays = [list(layer) for layer in arrays]
+        self._where[slot] = (batch, 0)
+
     # -- slots ----------------------------------------------------------------------------
     def release(self, slot: int) -> None:
         """Forget slot's state (the sequence finished, was preempted, or is about to get a new one)."""

@@ -14,10 +14,18 @@ dequantised to float32 with OpenBLAS (the fast configuration on a CPU host);
   4. mlx-lm on scenarios 1 and 3 with its prompt cache (KVCache reused and
      trimmed to the common prefix, as mlx_lm.server does).
 
+`--hybrid qwen3_next` (or lfm2, mamba2, ...: tests/test_hybrid.py's tiny configurations) runs
+instead a tiny random hybrid / SSM model, whose prefix cache rests on recurrent-state snapshots
+(macinfer.core.state_snapshots; no disk tier, and mlx-lm cannot trim their caches): a
+600-token system prompt + a question, cold, then the same prompt again, another question, and
+a third; then a chat, cache vs no cache. TTFT ratios are medians of --repeats fresh engines;
+outputs are checked against the engine without the cache and mlx-lm.
+
 Usage:
     python scripts/bench/prefix.py                    # ~10-20 min on 2 shared cores
     python scripts/bench/prefix.py --tiny             # seconds
     python scripts/bench/prefix.py --system-tokens 1000 --turns 6
+    python scripts/bench/prefix.py --hybrid qwen3_next --system-tokens 600   # ~1 min
 """
 
 from __future__ import annotations
@@ -109,6 +117,82 @@ def run_child(args, tmp: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# -- hybrid / SSM models: state snapshots -----------------------------------------------------
+def build_hybrid(directory: str, name: str) -> str:
+    from test_hybrid import HYBRID
+    from tiny import build_tiny_model
+
+    return str(build_tiny_model(Path(directory) / name, "llama", max_position_embeddings=8192, **HYBRID[name]))
+
+
+def hybrid_main(args, path: str) -> None:
+    import statistics
+
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, tok = mlx_lm.load(path)
+    system = system_ids(tok, args.system_tokens)
+    q = [tok.encode("\n" + x) for x in QUESTIONS[:3]]
+    n_out = 8
+    print(f"model: tiny random {args.hybrid} (tests/test_hybrid.py), {args.system_tokens}-token system prompt, "
+          f"{ENGINE}")
+    rows = []
+    for rep_ in range(args.repeats):
+        engine = LLMEngine(model, tok, None, **ENGINE)
+        ttft(engine, tok.encode("Warm-up."), 2)
+        r = {}
+        for name, ids in (("cold", system + q[0]), ("same", system + q[0]), ("other", system + q[1]),
+                          ("third", system + q[2])):
+            t, cached, out = ttft(engine, ids, n_out)
+            r[name] = (t, cached, out.token_ids, len(ids))
+        r["stats"] = engine.kv_stats()
+        rows.append(r)
+        del engine
+    ref = LLMEngine(model, tok, None, **ENGINE, enable_prefix_cache=False)
+    for name, ids in (("cold", system + q[0]), ("other", system + q[1]), ("third", system + q[2])):
+        _, _, out = ttft(ref, ids, n_out)
+        want = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n_out)]
+        eos = set(tok.eos_token_ids)
+        want = want[: next((i for i, t in enumerate(want) if t in eos), len(want))]
+        for r in rows:
+            assert r[name][2] == out.token_ids == want, f"{name}: outputs differ"
+    assert all(r["same"][2] == r["cold"][2] for r in rows), "the warm repeat differs"
+    print("outputs identical: cache on / off / mlx-lm")
+    print(f"\nTTFT in s over {args.repeats} fresh engines (cached tokens):")
+    for name, what in (("cold", "first request"), ("same", "same prompt again"),
+                       ("other", "same system prompt, another question"), ("third", "and a third question")):
+        ts = [r[name][0] for r in rows]
+        print(f"   {what:40s} {statistics.median(ts):8.4f}  ({rows[0][name][1]} of {rows[0][name][3]})"
+              + ("" if name == "cold" else f"   first/this = {statistics.median(r['cold'][0] / r[name][0] for r in rows):5.1f}x"))
+    for i, r in enumerate(rows):
+        print(f"   engine {i + 1}: " + ", ".join(f"{k} {r[k][0]:.4f}" for k in ("cold", "same", "other", "third")))
+    st = rows[0]["stats"]
+    print(f"   snapshots: {st['state_snapshots']} kept ({st['state_snapshot_bytes']} B of {st['state_snapshot_capacity']}),"
+          f" {st['state_snapshots_taken']} taken, {st['state_snapshot_hits']} hits, {st['prefix_hits_shortened']} shortened")
+
+    chat_system = tok.decode(system_ids(tok, args.chat_system_tokens))
+    results = {}
+    for name, on in (("cache", True), ("no cache", False)):
+        engine = LLMEngine(model, tok, None, **ENGINE, enable_prefix_cache=on)
+        ttft(engine, tok.encode("Warm-up."), 2)
+
+        def turn(ids, n, engine=engine):
+            t, cached, out = ttft(engine, ids, n)
+            return t, cached, out.token_ids
+
+        results[name] = chat(turn, tok, chat_system, args.turns, args.reply_tokens)
+        del engine
+    print(f"\n{args.turns}-turn chat (system {args.chat_system_tokens} tok, replies <= {args.reply_tokens} tok),"
+          " TTFT per turn in s (cached tokens)")
+    print("   turn  prompt   macinfer cache        no cache")
+    for i in range(args.turns):
+        c, n = results["cache"][i], results["no cache"][i]
+        print(f"   {i + 1:4d}  {c[1]:6d}   {c[0]:7.4f} ({c[2]:5d})   {n[0]:8.4f}")
+    c, n = ([r[0] for r in results[k]] for k in ("cache", "no cache"))
+    print(f"   total TTFT no cache / cache = {sum(n) / sum(c):.1f}x; turns 2-{args.turns}: {sum(n[1:]) / sum(c[1:]):.1f}x")
+
+
 # -- mlx-lm's prompt cache ------------------------------------------------------------------
 class MlxLmSession:
     """mlx-lm generate_step over one prompt cache, trimmed to the common prefix each turn."""
@@ -160,6 +244,8 @@ def main() -> None:
     ap.add_argument("--chat-system-tokens", type=int, default=300)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--reply-tokens", type=int, default=24)
+    ap.add_argument("--hybrid", metavar="FAMILY", help="a tiny hybrid / SSM model instead (qwen3_next, lfm2, mamba2, ...)")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh engines per TTFT figure (--hybrid)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--tiny-path", help=argparse.SUPPRESS)
@@ -167,6 +253,8 @@ def main() -> None:
     if args.child:
         return child(args)
     scratch = tempfile.TemporaryDirectory()
+    if args.hybrid:
+        return hybrid_main(args, build_hybrid(scratch.name, args.hybrid))
     if args.tiny:  # built once, so both processes see the same model (same identity)
         args.tiny_path = build_tiny(scratch.name)
 
