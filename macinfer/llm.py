@@ -28,7 +28,7 @@ class LLM:
         >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dequantize: bool = False, **engine_options):
+    def __init__(self, model: str | None = None, *, dequantize: bool | None = None, **engine_options):
         from macinfer.modelio.loader import load_model
 
         self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)

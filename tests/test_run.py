@@ -174,3 +174,31 @@ def test_embedded_model_answers_paris_like_mlx_lm():
             break
         want.append(resp.token)
     assert got["token_ids"] == want
+
+
+def test_quantized_weights_load_as_float_by_default_without_metal(tiny_models, tmp_path):
+    """Without Metal the fast configuration is float32 (docs/platform.md): quantised weights are
+    dequantised unless --keep-quantized; kept quantised, the output is mlx-lm's own."""
+    import mlx.core as mx
+
+    from macinfer.modelio.loader import dequantize_by_default, load_model
+    from macinfer.modelio.quant_config import QuantConfig
+    from macinfer.modelio.quantize import quantize
+
+    q = tmp_path / "q4"
+    quantize(str(tiny_models("llama")), q, QuantConfig(bits=4, group_size=32))
+    if mx.metal.is_available():
+        pytest.skip("Metal host: quantised weights stay quantised")
+    model, _, info = load_model(str(q))
+    assert not any(hasattr(m, "bits") for _, m in model.named_modules())
+    assert info.quantization != info.extra["dequantized_from"].split(" ")[0] and "4-bit" in info.extra["dequantized_from"]
+    kept, _, kept_info = load_model(str(q), dequantize=False)
+    assert any(hasattr(m, "bits") for _, m in kept.named_modules()) and "dequantized_from" not in kept_info.extra
+    assert not dequantize_by_default(10**10, True) and not dequantize_by_default(10**6, False)
+
+    r = run(q, PROMPT, "-v", "--no-chat-template", "-n", 6, "--peak-bandwidth", 100)
+    assert r.exit_code == 0 and "weights dequantised from 4-bit" in r.stderr
+    r = run(q, PROMPT, "--json", "--keep-quantized", "--no-chat-template", "-n", 12, "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    _, tok = mlx_lm_load(str(q))
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == mlx_lm_greedy(q, tok.encode(PROMPT), 12)

@@ -41,7 +41,7 @@ class ChatApp(App):
     TITLE = "macinfer chat"
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, model: str | None = None, *, dequantize: bool = False, peak_bandwidth: float | None = None,
+    def __init__(self, model: str | None = None, *, dequantize: bool | None = None, peak_bandwidth: float | None = None,
                  system: str = "", temperature: float = 0.0, max_tokens: int = 512, seed: int | None = None,
                  engine_options: dict | None = None,
                  make_backend: Callable[[str | None], ChatBackend] | None = None):

@@ -60,7 +60,7 @@ class ChatBackend:
         engine_options: passed to the engine (e.g. kv_memory).
     """
 
-    def __init__(self, spec: str | None = None, *, dequantize: bool = False,
+    def __init__(self, spec: str | None = None, *, dequantize: bool | None = None,
                  peak_bandwidth: float | None = None, **engine_options):
         self.spec = spec
         self.dequantize = dequantize

@@ -15,7 +15,8 @@ import click
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
-@click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--dequantize/--keep-quantized", default=None,
+              help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--draft", help="Speculative decoding drafter: ngram, a draft model, MODEL+ngram or auto (toggle with /spec).")
 @click.option("--no-prefix-cache", is_flag=True, help="Start with the prefix cache off (toggle with /prefix-cache).")
 def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache):

@@ -116,7 +116,8 @@ def stats_line(s: dict) -> str:
 @click.option("--attention", type=click.Choice(["auto", "metal", "reference"]), default="auto", show_default=True,
               help="Paged attention backend: the fused Metal kernel (checked at start-up) or gather + SDPA.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Store the KV cache quantised to 8 (or 4) bits.")
-@click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--dequantize/--keep-quantized", default=None,
+              help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Recompute the whole prompt: no reuse of a prefix cached in memory or on disk.")
 @click.option("--draft", metavar="MODEL|ngram|MODEL+ngram|auto",
@@ -204,6 +205,8 @@ def _print_details(llm) -> None:
     info = llm.info
     click.echo(f"model {info.name}: {info.model_type}, {info.num_params / 1e6:.0f}M params, "
                f"{info.quantization}, {fmt_bytes(info.weight_bytes)}, from {info.path}", err=True)
+    if "dequantized_from" in info.extra:
+        click.echo(f"weights dequantised from {info.extra['dequantized_from']}; --keep-quantized keeps them", err=True)
     click.echo(f"BLAS: {_blas.loaded or 'bundled'}", err=True)
     click.echo(llm.engine.describe(), err=True)
 

@@ -16,6 +16,7 @@ half precision and is ~40x slower with it (docs/platform.md).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,18 +200,43 @@ def model_info(name: str, path: Path, model, config: dict) -> ModelInfo:
     )
 
 
-def load_model(spec: str | None = None, *, dequantize: bool = False, progress=None):
+# Where there is no Metal, a quantised model is loaded as float only while float32 weights
+# stay this small and under a quarter of the machine's memory.
+DEQUANTIZE_MAX_BYTES = 8 << 30
+
+
+def dequantize_by_default(num_params: int, quantized: bool) -> bool:
+    """Whether to load quantised weights as float when the caller does not say.
+
+    On MLX's CPU backend quantised matmul is compute-bound and float32 with OpenBLAS is the
+    fast configuration (docs/platform.md, "MLX's CPU backend"); on Metal quantised weights
+    are faster (less to read). A model whose float32 weights would not fit comfortably stays
+    quantised.
+    """
+    import mlx.core as mx
+
+    if not quantized or mx.metal.is_available():
+        return False
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    return 4 * num_params <= min(DEQUANTIZE_MAX_BYTES, memory // 4 if memory else DEQUANTIZE_MAX_BYTES)
+
+
+def load_model(spec: str | None = None, *, dequantize: bool | None = None, progress=None):
     """Load MODEL (see module docstring).
 
     Args:
         spec: catalog name, path, .gguf file or HF repo id; None for the default.
-        dequantize: turn quantised weights into float (fast config on CPU hosts).
+        dequantize: turn quantised weights into float; None decides by host
+            (`dequantize_by_default`: yes without Metal, where it is the fast configuration).
 
     Returns:
         (model, tokenizer, ModelInfo); the tokenizer is mlx-lm's TokenizerWrapper.
     """
     import mlx.core as mx
-    from mlx_lm.utils import dequantize_model, load_model as mlx_load_model, load_tokenizer
+    from mlx_lm.utils import dequantize_model, get_total_parameters, load_model as mlx_load_model, load_tokenizer
 
     name, path = resolve(spec, progress)
     try:
@@ -223,7 +249,11 @@ def load_model(spec: str | None = None, *, dequantize: bool = False, progress=No
     except (RuntimeError, OSError, FileNotFoundError, KeyError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MacinferError(f"{name}: could not load the weights ({msg}); is the file complete?") from None
-    if dequantize:
+    quantized = _describe_quant(config) if (config.get("quantization") or config.get("quantization_config")) else None
+    by_host = dequantize is None
+    if by_host:
+        dequantize = dequantize_by_default(get_total_parameters(model), quantized is not None)
+    if dequantize and quantized:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if not mx.metal.is_available():
@@ -233,4 +263,8 @@ def load_model(spec: str | None = None, *, dequantize: bool = False, progress=No
     except Exception as e:  # transformers raises many kinds here
         raise MacinferError(f"{name}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     mx.eval(model.parameters())
-    return model, tokenizer, model_info(name, path, model, config)
+    info = model_info(name, path, model, config)
+    if dequantize and quantized:
+        info.extra["dequantized_from"] = quantized + (" (no Metal: float32 is the fast configuration here)"
+                                                      if by_host else "")
+    return model, tokenizer, info
