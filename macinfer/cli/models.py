@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 
 import click
 
@@ -38,7 +39,7 @@ def _table(columns: list[str], rows: list[list[str]], right: tuple[str, ...] = (
         t.add_column(c, justify="right" if c in right else "left", overflow="fold")
     for r in rows:
         t.add_row(*r)
-    Console(width=200 if not click.get_text_stream("stdout").isatty() else None).print(t)
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
 def _source(m) -> str:

@@ -597,6 +597,12 @@ def plan_removal(spec: str) -> Removal:
         if repo is None:
             raise MacinferError(f"{spec} is no longer in the Hugging Face cache")
         strategy = info.delete_revisions(*[r.commit_hash for r in repo.revisions])
+        repo_path = Path(repo.repo_path)
+        # Every revision of this repo, so the strategy is "delete this repo folder" and nothing else;
+        # anything else means a commit hash also cached under another repo (huggingface_hub takes the first).
+        if {Path(p) for p in strategy.repos} != {repo_path} or strategy.snapshots or strategy.refs or strategy.blobs:
+            raise MacinferError(f"{m.repo_id} shares a revision with another cached repo: "
+                                "remove it with `hf cache delete` instead")
 
         def run():
             strategy.execute()
