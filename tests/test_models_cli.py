@@ -252,6 +252,20 @@ def test_pull_refuses_what_is_not_an_mlx_causal_lm_before_its_weights(fake_hub):
     assert not (fake_hub["hub"] / "models--someone--gguf").exists()
 
 
+def test_pull_offline_when_already_downloaded_keeps_the_copy(fake_hub):
+    assert cli("pull", REPO).exit_code == 0
+    fake_hub["state"].offline = True
+    r = cli("pull", REPO)
+    assert r.exit_code == 0, r.output
+    assert "already in the cache" in r.output and "offline?" in r.output
+
+
+def test_run_takes_the_names_ls_gives_macinfer_home_models(populated):
+    from macinfer.modelio.loader import resolve
+
+    assert resolve("my-q4") == ("my-q4", populated["home"] / "models" / "my-q4")
+
+
 def test_pull_errors_are_one_line(fake_hub):
     one_line_error(cli("pull", "nobody/nothing"), "no model 'nobody/nothing' on Hugging Face")
     one_line_error(cli("pull", "not a name"), "not a catalog name")

@@ -97,6 +97,8 @@ def pull_cmd(model):
     from macinfer.modelio.registry import fmt_params, pull
 
     m = pull(model)
+    if m.description.startswith("already in the cache"):
+        click.echo(f"{m.repo_id}: {m.description}", err=True)
     click.echo(f"pulled {m.repo_id}: {m.architecture}, {fmt_params(m.num_params)} parameters, "
                f"{m.quantization}, {fmt_bytes(m.size_bytes or 0)} at {m.path}")
     click.echo(f"run it: macinfer run {m.name} \"Hello\"")

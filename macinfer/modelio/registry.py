@@ -793,7 +793,11 @@ def pull(spec: str, progress: bool = True) -> LocalModel:
     except MacinferError:
         raise
     except Exception as e:  # noqa: BLE001 - network, HTTP, auth: one line each
-        raise _hub_error(repo, e) from None
+        have = next((m for m in hf_models(catalog) if (m.repo_id or "").lower() == repo.lower()), None)
+        if have is None or "RepositoryNotFound" in type(e).__name__:
+            raise _hub_error(repo, e) from None
+        have.description = f"already in the cache; could not check for updates ({type(e).__name__}; offline?)"
+        return have
     if not weight_files(path):
         raise MacinferError(f"{repo} downloaded but has no {WEIGHTS_GLOB} weights: not a model mlx-lm loads")
     m = LocalModel(name=catalog.get("models") and _catalog_by_repo(catalog).get(repo.lower()) or repo,
