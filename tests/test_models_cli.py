@@ -436,3 +436,14 @@ def test_ls_json_in_a_real_process(populated):
     names = {m["name"] for m in json.loads(p.stdout)["models"]}
     assert {REPO, "my-q4", "smollm2-135m", "qwen3-8b"} <= names
     assert "Traceback" not in p.stderr
+
+
+def test_ls_does_not_import_mlx_lm_or_transformers(populated):
+    """Importing mlx-lm pulls in transformers (seconds): ls reads mlx-lm's architectures from its files."""
+    code = ("import sys; from macinfer.cli.main import main; main(['ls', '--json'], standalone_mode=False); "
+            "print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parents[1])
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "[]"
+    assert REPO in p.stdout

@@ -243,7 +243,7 @@ def show_cmd(model, as_json, no_probe):
 @click.pass_context
 @_one_line
 def cache_cmd(ctx, as_json):
-    """The prefix cache on disk: its size per model; `macinfer cache clear [MODEL]` empties it.
+    """Show the prefix cache's size on disk per model; `cache clear [MODEL]` empties it.
 
     `macinfer run` keeps the K/V of long prompts' full blocks on disk so a later
     run with the same prefix skips that prefill. Each block file holds the

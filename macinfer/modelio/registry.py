@@ -22,7 +22,9 @@ beside it (`label_prefix_dir`) so `macinfer cache` can say which model a directo
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import functools
 import importlib.util
 import json
 import os
@@ -67,17 +69,34 @@ def allow_patterns() -> list[str]:
 
 
 # -- reading a model without loading it ------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _mlx_lm_architectures() -> tuple[frozenset, dict]:
+    """mlx-lm's model modules and MODEL_REMAPPING, read from its files.
+
+    NOTE: importing mlx_lm (its __init__ pulls in transformers) takes seconds; `ls` must not.
+    """
+    spec = importlib.util.find_spec("mlx_lm")  # a top-level name: its __init__ does not run
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset(), {}
+    root = Path(list(spec.submodule_search_locations)[0])
+    helpers = {"base", "cache", "rope_utils", "switch_layers", "activations", "pipeline", "bitlinear_layers"}
+    names = frozenset(p.stem for p in (root / "models").glob("*.py") if not p.stem.startswith("_") and p.stem not in helpers)
+    remap = {}
+    try:
+        for node in ast.parse((root / "utils.py").read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets):
+                remap = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return names, remap if isinstance(remap, dict) else {}
+
+
 def mlx_lm_knows(model_type) -> bool:
     """Whether mlx-lm has a module for this model_type (as mlx_lm.utils._get_classes finds it)."""
     if not isinstance(model_type, str) or not re.fullmatch(r"[\w-]+", model_type):
         return False
-    try:
-        from mlx_lm.utils import MODEL_REMAPPING
-
-        model_type = MODEL_REMAPPING.get(model_type, model_type)
-        return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
-    except (ImportError, ValueError):
-        return False
+    names, remap = _mlx_lm_architectures()
+    return remap.get(model_type, model_type) in names
 
 
 def read_config(path: Path) -> dict | None:
