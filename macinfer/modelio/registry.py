@@ -414,8 +414,8 @@ def gguf_model(m: LocalModel, gguf: Path) -> LocalModel:
     heads = md.get(f"{arch}.attention.head_count")
     config = {"model_type": arch, "num_hidden_layers": md.get(f"{arch}.block_count"),
               "num_attention_heads": heads, "num_key_value_heads": md.get(f"{arch}.attention.head_count_kv") or heads,
-              "hidden_size": md.get(f"{arch}.embedding_length"), "max_position_embeddings": ctx,
-              "torch_dtype": "float16"}  # what the converter writes K/V in (macinfer.modelio.gguf)
+              "hidden_size": md.get(f"{arch}.embedding_length"), "head_dim": md.get(f"{arch}.attention.key_length"),
+              "max_position_embeddings": ctx}  # as the converter's config.json (macinfer.modelio.gguf._config)
     m.config = {k: v for k, v in config.items() if v is not None}
     m.config["_gguf_chat_template"] = bool(md.get("tokenizer.chat_template"))
     return m
