@@ -242,6 +242,7 @@ def _register_optional_commands():
         ("macinfer.cli.kv", ("kv_cmd",)),
         ("macinfer.cli.chat", ("chat_cmd",)),
         ("macinfer.cli.doctor", ("doctor_cmd",)),
+        ("macinfer.cli.models", ("ls_cmd", "pull_cmd", "rm_cmd", "show_cmd", "cache_cmd")),
     ):
         try:
             mod = importlib.import_module(module)

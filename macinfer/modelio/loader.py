@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from macinfer.errors import MacinferError
-from macinfer.paths import models_dir
+from macinfer.paths import cache_dir, models_dir
 
 CATALOG = models_dir() / "catalog.json"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -136,6 +136,9 @@ def resolve(spec: str | None, progress=None) -> tuple[str, Path]:
         if not any(path.glob("*.safetensors")):
             raise MacinferError(f"{spec} has no *.safetensors weights: convert it first (macinfer quantize)")
         return path.name, path
+    for home in (cache_dir() / "models" / spec, cache_dir() / spec):  # names `macinfer ls` lists
+        if "/" not in spec and not spec.startswith((".", "~")) and (home / "config.json").is_file():
+            return spec, home
     if REPO_ID.match(spec) and not spec.startswith((".", "/", "~")):
         return spec, _from_hub(spec)
     names = ", ".join(catalog.get("models", {}))
