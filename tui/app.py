@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from functools import partial
 from typing import Callable, Iterable
@@ -14,6 +15,7 @@ from textual.worker import get_current_worker
 
 from tui.backend import ChatBackend
 from tui.commands import COMMANDS
+from tui.messages import ModelLoaded
 from tui.runner import EngineRunner, Load
 from tui.screens.chat import ChatScreen
 from tui.session import ChatSession
@@ -66,6 +68,25 @@ class ChatApp(App):
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)
+        gc.unfreeze()
+
+    def on_model_loaded(self, msg: ModelLoaded) -> None:
+        """(Bubbled up from the chat screen.) Freeze the heap once the model is loaded."""
+        self.call_after_refresh(self.freeze_heap)
+
+    @staticmethod
+    def freeze_heap() -> None:
+        """Collect, then move every live object into the GC's permanent generation.
+
+        NOTE: a full collection holds the GIL for its whole pass, and with MLX, mlx-lm
+        and transformers imported the heap is hundreds of thousands of objects: tens to
+        hundreds of ms in which the engine thread cannot run (a stall in the stream).
+        Frozen objects are skipped by later collections, which then scan only what the
+        chat made since. Frozen objects are still freed by reference counting; only
+        reference cycles among them stay until `gc.unfreeze()` (on unmount).
+        """
+        gc.collect()
+        gc.freeze()
 
     def start_engine(self) -> None:
         self.run_engine()
