@@ -22,7 +22,7 @@ class Reply(Markdown):
     """
 
     INTERVAL = 0.05
-    BUDGET = 0.2
+    BUDGET = 0.1
 
     def __init__(self, **kwargs):
         super().__init__("", classes="turn assistant", **kwargs)
