@@ -36,8 +36,10 @@ class ChatApp(App):
     # NOTE: the engine thread drops the GIL inside every MLX eval and then waits for the
     # UI thread to hand it back, up to the switch interval (5 ms by default): on a fast
     # model that wait is a whole decode step. 0.5 ms measured ~0.63x -> ~0.75x of bare
-    # decode speed on a tiny model (python -m tui.overhead).
-    SWITCH_INTERVAL = 0.0005
+    # decode speed on a tiny model (python -m tui.overhead); 0.1 ms, with a 1 ms step
+    # (python -m tui.overhead --stub-rate 1000, 4 rounds each, alternating on a loaded
+    # 2-core Linux box): median 0.27x -> 0.43x. The UI thread yields sooner, which is the point.
+    SWITCH_INTERVAL = 0.0001
 
     CSS_PATH = "app.tcss"
     TITLE = "macinfer chat"

@@ -40,19 +40,43 @@ def bare(llm, ids, params) -> float:
     return out.metrics.decode_tps
 
 
+async def reply_in(app, timeout: float) -> tuple[float, object]:
+    """Send PROMPT in a headless `app`: (when its reply was complete on screen, the Reply widget).
+
+    It waits on the reply's own `finish`, not by polling: a Pilot.pause visits every
+    widget, work that the app alone would not do.
+    """
+    from tui.widgets.transcript import Reply
+
+    done = asyncio.Event()
+    finished: list = []
+    real_finish = Reply.finish
+
+    async def finish(self):  # the reply's whole text is in the Markdown widget when this returns
+        text = await real_finish(self)
+        finished.append((time.perf_counter(), self))
+        done.set()
+        return text
+
+    Reply.finish = finish
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            while app.chat.model_name is None or app.chat.loading_what is not None:
+                await pilot.pause(0.05)
+            app.chat.query_one("#prompt").set_text(PROMPT)
+            await pilot.press("enter")
+            await asyncio.wait_for(done.wait(), timeout)
+            return finished[0]
+    finally:
+        Reply.finish = real_finish
+
+
 async def in_tui(model: str | None, max_tokens: int) -> float:
     from tui.app import ChatApp
 
     app = ChatApp(model, max_tokens=max_tokens, peak_bandwidth=100)
-    async with app.run_test(size=(100, 30)) as pilot:
-        while app.chat.model_name is None:
-            await pilot.pause(0.05)
-        app.chat.query_one("#prompt").set_text(PROMPT)
-        await pilot.press("enter")
-        await pilot.pause(0.1)
-        while app.chat.request_id is not None:
-            await pilot.pause(0.05)
-        return app.runner.last_stats.decode_tps
+    await reply_in(app, timeout=3600)
+    return app.runner.last_stats.decode_tps
 
 
 # -- stub mode ------------------------------------------------------------------------
@@ -78,42 +102,17 @@ async def in_tui_stub(rate: float, n: int) -> tuple[float, float, int]:
     """(engine tok/s, UI tok/s, Markdown updates) of one reply in a headless ChatApp."""
     from tui.app import ChatApp
     from tui.stub import StubBackend
-    from textual.widgets import Markdown
-
-    from tui.widgets.transcript import Reply
 
     backends: list[StubBackend] = []
-    done = asyncio.Event()
-    finished_at: list[float] = []
-    real_finish = Reply.finish
-    appends = [0]
 
-    def append(self, markdown):  # count the Markdown widget's updates
-        appends[0] += 1
-        return Markdown.append(self, markdown)
+    def make(spec):
+        backends.append(StubBackend(spec, rate=rate))
+        return backends[-1]
 
-    async def finish(self):  # the reply's whole text is in the Markdown widget when this returns
-        text = await real_finish(self)
-        finished_at.append(time.perf_counter())
-        done.set()
-        return text
-
-    Reply.finish, Reply.append = finish, append
-    try:
-        app = ChatApp(max_tokens=n, make_backend=lambda spec: backends.append(StubBackend(spec, rate=rate))
-                      or backends[-1])
-        async with app.run_test(size=(100, 30)) as pilot:
-            while app.chat.model_name is None:
-                await pilot.pause(0.05)
-            app.chat.query_one("#prompt").set_text(PROMPT)
-            await pilot.press("enter")
-            await asyncio.wait_for(done.wait(), timeout=60 + 4 * n / rate)
-            m = app.runner.last_stats
-            first = backends[-1].first_token_time
-            return m.decode_tps, (m.generated_tokens - 1) / (finished_at[0] - first), appends[0]
-    finally:
-        Reply.finish = real_finish
-        del Reply.append
+    app = ChatApp(max_tokens=n, make_backend=make)
+    finished_at, reply = await reply_in(app, timeout=60 + 4 * n / rate)
+    m = app.runner.last_stats
+    return m.decode_tps, (m.generated_tokens - 1) / (finished_at - backends[-1].first_token_time), reply.updates
 
 
 def main_stub(rate: float, n: int, rounds: int) -> None:
