@@ -273,6 +273,26 @@ async def test_escape_cancels_a_fast_stream():
         assert app.session.turns[-1]["role"] == "assistant" and app.session.turns[-2]["content"] == "Hi"
 
 
+@pytest.mark.anyio
+async def test_clear_during_a_fast_stream():
+    """/clear mid-stream cancels the reply and drops it from the screen; the next prompt streams in full."""
+    app, backends = stub_app(rate=1000, max_tokens=1_000_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        chat = app.chat
+        await send(pilot, "Go on forever")
+        await wait_for(pilot, lambda: chat.reply is not None and chat.reply.updates, what="streamed text")
+        await send(pilot, "/clear")
+        await wait_for(pilot, lambda: not backends[-1].has_unfinished(), what="the cancel")
+        assert not chat.query(Reply) and app.session.turns == []
+        app.session.max_tokens = 300
+        await send(pilot, "Hi")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the next reply")
+        (reply,) = chat.query(Reply)
+        assert reply.source == reply.text == "".join(list(backends[-1].emitted.values())[-1])
+        assert [t["role"] for t in app.session.turns] == ["user", "assistant"]
+
+
 def test_stub_tokens_join_back_to_the_text():
     from tui.stub import SAMPLE, SAMPLE_TOKENS, tokens_of
 

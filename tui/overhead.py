@@ -116,6 +116,8 @@ async def in_tui_stub(rate: float, n: int) -> tuple[float, float, int]:
 
 
 def main_stub(rate: float, n: int, rounds: int) -> None:
+    import macinfer.core.sampling  # noqa: F401  (MLX, mlx-lm: imported by a real backend's load, before the app freezes the heap)
+
     bare_stub(rate, 8)  # warm-up
     ratios = []
     print(f"stub engine at {rate:g} tok/s, {n} tok per reply")

@@ -62,7 +62,7 @@ class Reply(Markdown):
 
     async def _append_pending(self) -> None:
         async with self._lock:
-            if self.pending:
+            if self.pending and self.is_attached:  # (not after /clear took the reply off the screen)
                 text = "".join(self.pending)
                 self.pending.clear()
                 self.updates += 1
