@@ -211,6 +211,95 @@ def test_chat_help_lists_an_example():
     assert r.exit_code == 2 and "--temp" in r.output and "Traceback" not in r.output
 
 
+# -- a fast engine: the stub ----------------------------------------------------------
+def stub_app(rate: float, length: int | None = None, **kwargs):
+    """A ChatApp on tui.stub.StubBackend (no model): its deltas take the real runner and Messages."""
+    from tui.stub import StubBackend
+
+    backends = []
+
+    def make(spec):
+        backends.append(StubBackend(spec, rate=rate, length=length))
+        return backends[-1]
+
+    return ChatApp(make_backend=make, **kwargs), backends
+
+
+@pytest.mark.anyio
+async def test_fast_stream_shows_every_delta_in_few_markdown_updates():
+    """At thousands of tok/s the reply batches text into far fewer Markdown updates than deltas,
+    and the finished reply (widget text, Markdown document, history) is exactly the deltas joined."""
+    from tui.stub import SAMPLE
+
+    n = 1500
+    app, backends = stub_app(rate=3000, max_tokens=n)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await send(pilot, "Tell me about the sea")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        reply = app.chat.query_one(Reply)
+        (deltas,) = backends[-1].emitted.values()
+        assert len(deltas) == n
+        want = "".join(deltas)
+        assert want.startswith(SAMPLE) and len(want) > 3 * len(SAMPLE)  # it repeats: no piece may go missing
+        assert reply.text == want and reply.source == want  # nothing lost, nothing twice, in order
+        assert app.session.turns[-1] == {"role": "assistant", "content": want}
+        assert 1 <= reply.updates <= n // 10, reply.updates
+        assert not reply.pending
+        assert "(reply cut at the 1500-token limit" in notices(app)[-1]
+
+
+@pytest.mark.anyio
+async def test_escape_cancels_a_fast_stream():
+    app, backends = stub_app(rate=1000, max_tokens=1_000_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        chat = app.chat
+        await send(pilot, "Go on forever")
+        await wait_for(pilot, lambda: chat.reply is not None and len(chat.reply.text) > 200, what="streamed text")
+        reply = chat.reply
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the cancel")
+        backend = backends[-1]
+        assert not backend.has_unfinished()
+        assert "(reply cancelled)" in notices(app)
+        (deltas,) = backend.emitted.values()
+        assert 0 < len(deltas) < 1_000_000
+        assert reply.text == reply.source == "".join(deltas)  # what streamed before Esc, all of it
+        assert app.session.turns[-1] == {"role": "assistant", "content": reply.text}
+        app.session.max_tokens = 20
+        await send(pilot, "Hi")  # the engine thread serves the next prompt
+        await wait_for(pilot, lambda: chat.request_id is None and chat.reply is None, what="the next reply")
+        assert app.session.turns[-1]["role"] == "assistant" and app.session.turns[-2]["content"] == "Hi"
+
+
+@pytest.mark.anyio
+async def test_clear_during_a_fast_stream():
+    """/clear mid-stream cancels the reply and drops it from the screen; the next prompt streams in full."""
+    app, backends = stub_app(rate=1000, max_tokens=1_000_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        chat = app.chat
+        await send(pilot, "Go on forever")
+        await wait_for(pilot, lambda: chat.reply is not None and chat.reply.updates, what="streamed text")
+        await send(pilot, "/clear")
+        await wait_for(pilot, lambda: not backends[-1].has_unfinished(), what="the cancel")
+        assert not chat.query(Reply) and app.session.turns == []
+        app.session.max_tokens = 300
+        await send(pilot, "Hi")
+        await wait_for(pilot, lambda: chat.request_id is None, what="the next reply")
+        (reply,) = chat.query(Reply)
+        assert reply.source == reply.text == "".join(list(backends[-1].emitted.values())[-1])
+        assert [t["role"] for t in app.session.turns] == ["user", "assistant"]
+
+
+def test_stub_tokens_join_back_to_the_text():
+    from tui.stub import SAMPLE, SAMPLE_TOKENS, tokens_of
+
+    assert "".join(SAMPLE_TOKENS) == SAMPLE and len(SAMPLE_TOKENS) > 100
+    assert tokens_of("a  bcdefgh\n\n") == ["a", "  bcdef", "gh", "\n\n"]
+
+
 # -- snapshots -------------------------------------------------------------------------
 class SteadyBackend(ChatBackend):
     """Peak memory is process-wide (other tests raise it): pin it so snapshots repeat."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from functools import partial
 from typing import Callable, Iterable
@@ -14,6 +15,7 @@ from textual.worker import get_current_worker
 
 from tui.backend import ChatBackend
 from tui.commands import COMMANDS
+from tui.messages import ModelLoaded
 from tui.runner import EngineRunner, Load
 from tui.screens.chat import ChatScreen
 from tui.session import ChatSession
@@ -34,8 +36,10 @@ class ChatApp(App):
     # NOTE: the engine thread drops the GIL inside every MLX eval and then waits for the
     # UI thread to hand it back, up to the switch interval (5 ms by default): on a fast
     # model that wait is a whole decode step. 0.5 ms measured ~0.63x -> ~0.75x of bare
-    # decode speed on a tiny model (python -m tui.overhead).
-    SWITCH_INTERVAL = 0.0005
+    # decode speed on a tiny model (python -m tui.overhead); 0.1 ms, with a 1 ms step
+    # (python -m tui.overhead --stub-rate 1000, 4 rounds each, alternating on a loaded
+    # 2-core Linux box): median 0.27x -> 0.43x. The UI thread yields sooner, which is the point.
+    SWITCH_INTERVAL = 0.0001
 
     CSS_PATH = "app.tcss"
     TITLE = "macinfer chat"
@@ -66,6 +70,25 @@ class ChatApp(App):
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)
+        gc.unfreeze()
+
+    def on_model_loaded(self, msg: ModelLoaded) -> None:
+        """(Bubbled up from the chat screen.) Freeze the heap once the model is loaded."""
+        self.call_after_refresh(self.freeze_heap)
+
+    @staticmethod
+    def freeze_heap() -> None:
+        """Collect, then move every live object into the GC's permanent generation.
+
+        NOTE: a full collection holds the GIL for its whole pass, and with MLX, mlx-lm
+        and transformers imported the heap is hundreds of thousands of objects: tens to
+        hundreds of ms in which the engine thread cannot run (a stall in the stream).
+        Frozen objects are skipped by later collections, which then scan only what the
+        chat made since. Frozen objects are still freed by reference counting; only
+        reference cycles among them stay until `gc.unfreeze()` (on unmount).
+        """
+        gc.collect()
+        gc.freeze()
 
     def start_engine(self) -> None:
         self.run_engine()

@@ -2,7 +2,8 @@
 
 The engine thread (tui.runner) posts these to the chat screen; the UI never
 calls the engine. Bursty ones (load progress, live stats) define `can_replace`
-so Textual drops a stale one when a newer one is already queued.
+so Textual drops a stale one when a newer one is already queued; the streaming
+ones (text, live stats) do not bubble, so the app does not dispatch them again.
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ class LoadFailed(Message):
 
 
 @dataclass(eq=False)
-class ReplyText(Message):
-    """New text of the reply in progress."""
+class ReplyText(Message, bubble=False):
+    """New text of the reply in progress (for the chat screen only: it does not bubble to the app)."""
 
     request_id: str
     text: str
 
 
 @dataclass(eq=False)
-class StatsUpdate(Message):
-    """Live figures while a reply streams; a newer one supersedes a queued one."""
+class StatsUpdate(Message, bubble=False):
+    """Live figures while a reply streams; a newer one supersedes a queued one (no bubbling)."""
 
     stats: Stats
 

@@ -7,8 +7,10 @@
     chat screen <──post(LoadProgress, ReplyText, StatsUpdate, ReplyFinished, ...)
 
 NOTE: only this thread touches the backend (and so MLX); `submit` only enqueues.
+It never waits on the UI: `post` only queues a Message for the UI's event loop.
 Text and stats are posted at most every TEXT_INTERVAL / STATS_INTERVAL seconds so
-a fast model does not flood the UI (StatsUpdate also coalesces in the queue).
+a fast model does not flood the UI (StatsUpdate also coalesces in the queue); the
+reply widget then batches the text it shows (tui.widgets.transcript.Reply).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)
 
-TEXT_INTERVAL = 1 / 10
+TEXT_INTERVAL = 1 / 20
 STATS_INTERVAL = 1 / 4
 SPARK_STEPS = 60
 

@@ -109,9 +109,9 @@ class ChatScreen(Screen):
             await self._notice("no model loaded: /model MODEL loads one", error=True)
         self._show_status()
 
-    async def on_reply_text(self, msg: ReplyText) -> None:
+    def on_reply_text(self, msg: ReplyText) -> None:
         if msg.request_id == self.request_id and self.reply is not None:
-            await self.reply.write(msg.text)
+            self.reply.write(msg.text)
 
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.query_one(MetricsPanel).update_stats(msg.stats)
