@@ -14,6 +14,7 @@ import random
 import mlx.core as mx
 import mlx_lm
 import pytest
+from driver import run
 from mlx_lm.generate import generate_step
 
 from macinfer.core.sampling import SamplingParams
@@ -78,21 +79,6 @@ def hybrid(tmp_path_factory):
 def oracle(model, prompt, max_tokens):
     """mlx-lm alone: greedy, EOS ignored (the engine's requests set ignore_eos)."""
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
-def run(engine, arrivals):
-    """arrivals: (step, prompt, params, rid) -> {rid: RequestOutput}."""
-    arrivals, outputs, step = list(arrivals), {}, 0
-    while arrivals or engine.has_unfinished():
-        for a in [a for a in arrivals if a[0] == step]:
-            engine.add_request(a[1], a[2], request_id=a[3])
-            arrivals.remove(a)
-        for d in engine.step():
-            if d.output is not None:
-                outputs[d.request_id] = d.output
-        step += 1
-        assert step < 1000, "engine does not make progress"
-    return outputs
 
 
 def assert_all_free(engine):
