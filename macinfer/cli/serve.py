@@ -10,6 +10,7 @@ import json
 
 import click
 
+from macinfer.cli.options import engine_option
 from macinfer.errors import MacinferError
 from macinfer.units import parse_bytes
 
@@ -54,8 +55,9 @@ def _engine_options(kv_memory, max_num_seqs) -> dict:
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@engine_option
 @_one_line_errors
-def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level):
+def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level, engine):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -76,7 +78,7 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, **_engine_options(kv_memory, max_num_seqs))
+    llm = LLM(model, dequantize=dequantize, engine=engine, **_engine_options(kv_memory, max_num_seqs))
     engine = getattr(llm, "engine", None)
     if hasattr(engine, "describe"):
         click.echo(engine.describe(), err=True)
@@ -108,9 +110,10 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most (in-process).")
 @click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
 @click.option("--seed", default=0, show_default=True, help="Seed for the random prompts.")
+@engine_option
 @_one_line_errors
 def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_tokens, rounds, compare, compare_url,
-              draft, as_json, plot_path, kv_memory, max_num_seqs, dequantize, seed):
+              draft, as_json, plot_path, kv_memory, max_num_seqs, dequantize, seed, engine):
     """Measure TTFT, per-request decode tok/s and throughput over concurrency and prompt length.
 
     Each scenario runs C clients at once (a closed loop); the table shows p50/p95/p99
@@ -141,7 +144,7 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     else:
         from macinfer.llm import LLM
 
-        opts = _engine_options(kv_memory, max_num_seqs)
+        opts = {**_engine_options(kv_memory, max_num_seqs), "engine": engine}
         llm = LLM(model, dequantize=dequantize, **opts)
         backends = [bench.InProcessBackend(llm)]
         if draft:
