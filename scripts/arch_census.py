@@ -12,7 +12,8 @@ One line per architecture:
     identical (paged)                 the paged engine, token for token mlx-lm's
     identical (fallback: <reason>)    the paged engine refuses it (reason); mlx-lm's
                                       BatchGenerator behind LLMEngine's API matches
-    mismatch (<engine>: ...)          tokens differ from mlx-lm's
+    mismatch (<engine>: ...)          tokens differ from mlx-lm's (for the fallback: whether
+                                      mlx-lm's BatchGenerator alone, same schedule, differs too)
     refused: <reason>                 neither engine can run it
     error: <what>                     macinfer failed (exception, crash, timeout)
     skipped: <why>                    mlx-lm itself cannot build or run it (or no config)
@@ -75,40 +76,12 @@ def phase(name: str) -> None:
     print(f"PHASE {name}", flush=True)
 
 
-def build(name: str, config: dict, out: Path) -> Path:
-    """Write a random-weight model of `config` with the tiny tokenizer to `out`."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    tiny = importlib.util.spec_from_file_location("tiny", ROOT / "tests" / "tiny.py")
-    mod = importlib.util.module_from_spec(tiny)
-    tiny.loader.exec_module(mod)
-    out.mkdir(parents=True, exist_ok=True)
-    mod.train_tokenizer(out)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = json.loads(json.dumps(config))
-    config.setdefault("eos_token_id", vocab["<|im_end|>"])
-    config.setdefault("bos_token_id", vocab["<|endoftext|>"])
-    text = config.get("text_config", config)
-    if text.get("vocab_size", config.get("vocab_size", 0)) < len(vocab):
-        raise ValueError(f"vocab_size {text.get('vocab_size')} < the tokenizer's {len(vocab)}")
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    params = {}
-    for k, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            if v.ndim >= 2:  # N(0, 3^2 / fan_in): varied, peaky logits (the default init is near-flat)
-                fan_in = 1
-                for s in v.shape[1:]:
-                    fan_in *= s
-                v = mx.random.normal(v.shape) * (3 / fan_in ** 0.5)
-            v = v.astype(mx.float32)
-        params[k] = v
-    mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
-    return out
+def build(config: dict, out: Path) -> Path:
+    """tests/tiny.py's build_from_config (a script may load the tests' helper by its path)."""
+    spec = importlib.util.spec_from_file_location("tiny", ROOT / "tests" / "tiny.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return tiny.build_from_config(out, config)
 
 
 def staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -128,6 +101,27 @@ def staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[in
     return [outs[r] for r in rids]
 
 
+def raw_batchgenerator(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The same staggered schedule on mlx-lm's BatchGenerator alone, set up as DenseEngine sets it up."""
+    from mlx_lm.generate import BatchGenerator
+
+    from macinfer.engine.dense_engine import batchable
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=4, prefill_step_size=CHUNK,
+                         prefill_batch_size=4 if batchable(model) else 1)
+    uids, outs, step = [], {}, 0
+    while len(uids) < len(prompts) or any(len(outs[u]) < max_tokens for u in uids):
+        if len(uids) < len(prompts) and step == 2 * len(uids):
+            (uid,) = gen.insert([prompts[len(uids)]])
+            uids.append(uid)
+            outs[uid] = []
+        for r in gen.next()[1]:
+            outs[r.uid].append(int(r.token))
+        step += 1
+    gen.close()
+    return [outs[u] for u in uids]
+
+
 def child(name: str) -> dict:
     import macinfer  # noqa: F401  (OpenBLAS before MLX)
 
@@ -138,7 +132,7 @@ def child(name: str) -> dict:
         path = Path(tmp) / name
         phase("build")
         try:
-            build(name, configs[name], path)
+            build(configs[name], path)
         except (Exception, SystemExit) as e:  # noqa: BLE001  (some model modules sys.exit when a package is missing)
             return {"verdict": f"skipped: mlx-lm cannot build it ({one_line(e)})"}
         phase("oracle")
@@ -183,7 +177,10 @@ def child(name: str) -> dict:
         if got != want:
             i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
             pos = next((j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b), min(len(got[i]), len(want[i])))
-            return {"verdict": f"mismatch ({'paged' if kind == 'paged' else 'fallback'}: request {i}, token {pos})",
+            where = f"request {i}, token {pos}"
+            if kind == "mlx-lm" and raw_batchgenerator(llm.model, prompts, MAX_TOKENS) != want:
+                where += "; mlx-lm's BatchGenerator alone differs too"
+            return {"verdict": f"mismatch ({'paged' if kind == 'paged' else 'fallback'}: {where})",
                     "stderr": err.getvalue()}
         return {"verdict": "identical (paged)" if kind == "paged" else f"identical (fallback: {reason})"}
 

@@ -28,7 +28,8 @@ What BatchGenerator does not allow, so this engine does not do:
   macinfer.llm says so on stderr);
 - prefill: requests joining together are prefilled together, in chunks of
   max_num_batched_tokens, and a step that prefills also decodes the running batch (not
-  under one shared token budget as in the paged scheduler);
+  under one shared token budget as in the paged scheduler); a model with recurrent
+  layers prefills one prompt at a time (mlx-lm's padded joint prefill is not exact there);
 - the first tokens of a step are computed one step ahead (mlx-lm pipelines its decode),
   so a request stopped by a stop string or EOS costs one more row before it leaves;
 - logits processors (repetition penalty etc.) are not exposed.
@@ -72,18 +73,25 @@ class DenseConfig:
     verbose: bool
 
 
-def batchable(model, model_type: str = "?") -> None:
-    """Raise MacinferError if mlx-lm's BatchGenerator cannot batch this model's caches."""
-    from mlx_lm.models.cache import CacheList, make_prompt_cache
+def batchable(model, model_type: str = "?") -> bool:
+    """Whether every cache is plain K/V (True) or some hold a recurrent state (False).
+
+    Raises:
+        MacinferError: mlx-lm's BatchGenerator cannot batch this model's caches.
+    """
+    from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
     def leaves(c):
         return [x for sub in c.caches for x in leaves(sub)] if isinstance(c, CacheList) else [c]
 
+    plain = True
     for c in make_prompt_cache(model):
         for leaf in leaves(c):
             if not hasattr(leaf, "merge"):
                 raise MacinferError(f"{model_type}: mlx-lm's BatchGenerator cannot batch its "
                                     f"{type(leaf).__name__} layers either")
+            plain &= type(leaf) in (KVCache, RotatingKVCache)
+    return plain
 
 
 class _DenseRequests:
@@ -164,12 +172,16 @@ class DenseEngine:
         full = EngineConfig(**options)  # same validation (and TypeError on unknown options) as LLMEngine
         self.model, self.tokenizer, self.info = model, tokenizer, info
         self.model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
-        batchable(model, self.model_type)
+        # NOTE: mlx-lm prefills prompts that join together as one right-padded batch; with a
+        # recurrent state (ArraysCache: SSM, RWKV, linear attention) the padding leaks into the
+        # state (BatchGenerator alone then differs from generate_step: rwkv7, mamba, ... in
+        # scripts/arch_census.py), so such models prefill one prompt at a time.
+        plain_kv = batchable(model, self.model_type)
         self.config = DenseConfig(full.max_num_seqs, full.max_num_batched_tokens, full.max_model_len, full.verbose)
         self.max_model_len = full.max_model_len or (info.context_length if info is not None else
                                                     getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
         self.gen = BatchGenerator(model, max_tokens=256, completion_batch_size=full.max_num_seqs,
-                                  prefill_batch_size=min(8, full.max_num_seqs),
+                                  prefill_batch_size=min(8, full.max_num_seqs) if plain_kv else 1,
                                   prefill_step_size=full.max_num_batched_tokens)
         self.scheduler = _DenseRequests(self.gen)
         self.block_pool = _NoBlocks()
