@@ -128,28 +128,55 @@ ENGINES = ("auto", "paged", "mlx-lm")
 def make_engine(model, tokenizer, info, engine: str = "auto", **options):
     """The engine for a loaded model: ("paged", LLMEngine) or ("mlx-lm", DenseEngine).
 
-    "auto" asks the paged engine's own check (inspect_model) first; if it refuses the
-    model, DenseEngine runs it and one line on stderr says what is off and why.
-    "paged" on a refused model raises that refusal (one line); "mlx-lm" with a draft or
-    quantised KV raises too, since it has neither.
+    "auto" asks the paged engine's own check (inspect_model) and then runs one 2-token
+    request through it (some refusals only show in a real forward: a model that wants an
+    explicit mask array, or a window its cache does not have); if it refuses the model,
+    DenseEngine runs it, `engine.fallback_reason` says why, and one line on stderr says
+    what is off. "paged" on a refused model raises the refusal (one line); "mlx-lm" with
+    a draft or quantised KV raises too, since it has neither.
     """
+    from macinfer.engine.dense_engine import DenseEngine
+
+    model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
+    if engine == "mlx-lm":
+        asked = [what for k, what in (("draft", "speculation (draft)"), ("kv_bits", "quantised KV (kv_bits)"))
+                 if options.get(k)]
+        if asked:
+            raise MacinferError(f"the mlx-lm engine has no {' or '.join(asked)}: use the paged engine")
+        return "mlx-lm", DenseEngine(model, tokenizer, info, **options)
+    if engine == "paged":
+        return "paged", LLMEngine(model, tokenizer, info, **options)
+    from macinfer.kv.paged_cache import inspect_model
+
+    try:
+        inspect_model(model, model_type)
+    except MacinferError as refusal:
+        return "mlx-lm", _fall_back(refusal, model_type, model, tokenizer, info, options)
+    paged = LLMEngine(model, tokenizer, info, **options)  # its own errors (a KV budget too small) are the user's
+    try:
+        _first_forward(paged)
+    except MacinferError as refusal:
+        del paged
+        return "mlx-lm", _fall_back(refusal, model_type, model, tokenizer, info, options)
+    return "paged", paged
+
+
+def _first_forward(engine) -> None:
+    """One 2-token request through the engine, to its end (no full KV block: nothing is cached)."""
+    from macinfer.core.sampling import SamplingParams
+
+    engine.add_request([0, 0], SamplingParams(max_tokens=1, ignore_eos=True), request_id="macinfer-first-forward")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _fall_back(refusal: MacinferError, model_type: str, model, tokenizer, info, options: dict):
     from macinfer.engine.dense_engine import OFF_FEATURES, DenseEngine
 
-    if engine == "mlx-lm":
-        asked = [k for k in ("draft", "kv_bits") if options.get(k)]
-        if asked:
-            raise MacinferError(f"the mlx-lm engine has no {' or '.join(asked)}: use engine 'paged' or 'auto'")
-        return "mlx-lm", DenseEngine(model, tokenizer, info, **options)
-    if engine == "auto":
-        from macinfer.kv.paged_cache import inspect_model
-
-        model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
-        try:
-            inspect_model(model, model_type)
-        except MacinferError as refusal:
-            dense = DenseEngine(model, tokenizer, info, **options)
-            reason = str(refusal).splitlines()[0]
-            print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}: "
-                  f"the paged engine refuses the model ({reason})", file=sys.stderr)
-            return "mlx-lm", dense
-    return "paged", LLMEngine(model, tokenizer, info, **options)
+    reason = str(refusal).splitlines()[0] if str(refusal) else type(refusal).__name__
+    reason = reason if reason.startswith(f"{model_type}: ") else f"{model_type}: {reason}"
+    dense = DenseEngine(model, tokenizer, info, **options)
+    dense.fallback_reason = reason
+    print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}: "
+          f"the paged engine refuses the model ({reason})", file=sys.stderr)
+    return dense

@@ -162,14 +162,7 @@ def child(name: str) -> dict:
         except Exception as e:  # noqa: BLE001
             return {"verdict": f"error: {one_line(e)}"}
         kind = llm.engine_kind
-        reason = None
-        if kind == "mlx-lm":
-            from macinfer.kv.paged_cache import inspect_model
-
-            try:
-                inspect_model(llm.model, llm.info.model_type)
-            except MacinferError as e:
-                reason = strip_type(str(e), llm.info.model_type)
+        reason = strip_type(llm.engine.fallback_reason or "", llm.info.model_type) if kind == "mlx-lm" else None
         try:
             got = staggered(llm.engine, prompts, MAX_TOKENS)
         except Exception as e:  # noqa: BLE001

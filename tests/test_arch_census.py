@@ -143,3 +143,33 @@ def test_census_verdicts():
     ]
     assert lines[3].startswith("3 model types: 1 identical (paged), 1 identical (fallback), 0 mismatch, 0 refused, "
                                "0 error, 1 skipped")
+
+
+def test_serve_runs_the_fallback_engine(unsupported):
+    """The OpenAI server over DenseEngine: concurrent completions, each its solo greedy output."""
+    import asyncio
+
+    import openai
+
+    from macinfer.llm import LLM
+    from macinfer.serve.server import create_app, serve_in_thread
+
+    llm = LLM(str(unsupported))
+    assert llm.engine_kind == "mlx-lm"
+    _, tok = mlx_lm_load(str(unsupported))
+
+    async def one(c, prompt):
+        r = await c.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    async def all_of(url):
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(c, p) for p in PROMPTS[:3]))
+
+    with serve_in_thread(create_app(llm, model_name="m")) as url:
+        got = asyncio.run(all_of(url))
+        metrics = __import__("httpx2").get(url + "/metrics").text
+    for p, ids in zip(PROMPTS[:3], got):
+        assert ids == mlx_lm_greedy(unsupported, tok.encode(p), 6)
+    assert "macinfer_requests_running" in metrics and "macinfer_kv_blocks_total" not in metrics

@@ -157,6 +157,7 @@ class DenseEngine:
     paged = False
     attention_backend = "mlx-lm"
     spec = None
+    fallback_reason: str | None = None  # why the paged engine refused the model (set by macinfer.llm)
 
     # LLMEngine's stop / streaming / output code, shared rather than copied. It reads
     # self.requests, self.eos_token_ids, self.scheduler.finish(seq, status) and
