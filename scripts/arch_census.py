@@ -243,8 +243,8 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for name, verdict in zip(names, pool.map(lambda n: run_one(n, args.timeout), names)):
             results[name] = verdict
-            if not args.markdown:
-                print(f"{name:<{width}}  {verdict}", flush=True)
+            # With --markdown the table comes at the end; progress goes to stderr meanwhile.
+            print(f"{name:<{width}}  {verdict}", file=sys.stderr if args.markdown else sys.stdout, flush=True)
     if args.markdown:
         import mlx_lm
 
