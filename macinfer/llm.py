@@ -4,10 +4,16 @@ A thin synchronous front over `LLMEngine` (paged KV cache, continuous batching):
 `generate` queues every prompt and steps the engine until all are done, so the
 prompts are served as one continuously-batched workload; `stream` steps it for
 one request and yields its text deltas.
+
+Which engine (`engine=`, `--engine` on the CLI): "paged" is LLMEngine; "mlx-lm" is
+DenseEngine (macinfer.engine.dense_engine: mlx-lm's own BatchGenerator, dense caches);
+"auto" (the default) is paged, falling back to mlx-lm for a model the paged engine
+refuses, with one line on stderr naming the features that are off and why.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Iterable, Iterator
 
 from macinfer.engine.llm_engine import LLMEngine
@@ -22,18 +28,23 @@ class LLM:
     Args:
         model: a catalog name, local directory, GGUF file or Hugging Face repo id;
             None for the embedded default (SmolLM2-135M-Instruct).
+        engine: "auto" (paged, else mlx-lm's BatchGenerator), "paged" or "mlx-lm"
+            (module docstring); `self.engine_kind` says which one runs.
 
     Example:
         >>> llm = LLM()
         >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dequantize: bool | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, dequantize: bool | None = None, engine: str = "auto",
+                 **engine_options):
         from macinfer.modelio.loader import load_model
 
+        if engine not in ENGINES:
+            raise MacinferError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)
         self.engine_options = engine_options
-        self.engine = LLMEngine(self.model, self.tokenizer, self.info, **engine_options)
+        self.engine_kind, self.engine = make_engine(self.model, self.tokenizer, self.info, engine, **engine_options)
 
     # -- prompts ---------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -109,3 +120,62 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.apply_chat_template(messages)], params)[0]
+
+
+ENGINES = ("auto", "paged", "mlx-lm")
+
+
+def make_engine(model, tokenizer, info, engine: str = "auto", **options):
+    """The engine for a loaded model: ("paged", LLMEngine) or ("mlx-lm", DenseEngine).
+
+    "auto" asks the paged engine's own check (inspect_model) and then runs one 2-token
+    request through it (some refusals only show in a real forward: a model that wants an
+    explicit mask array, or a window its cache does not have); if it refuses the model,
+    DenseEngine runs it, `engine.fallback_reason` says why, and one line on stderr says
+    what is off. "paged" on a refused model raises the refusal (one line); "mlx-lm" with
+    a draft or quantised KV raises too, since it has neither.
+    """
+    from macinfer.engine.dense_engine import DenseEngine
+
+    model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
+    if engine == "mlx-lm":
+        asked = [what for k, what in (("draft", "speculation (draft)"), ("kv_bits", "quantised KV (kv_bits)"))
+                 if options.get(k)]
+        if asked:
+            raise MacinferError(f"the mlx-lm engine has no {' or '.join(asked)}: use the paged engine")
+        return "mlx-lm", DenseEngine(model, tokenizer, info, **options)
+    if engine == "paged":
+        return "paged", LLMEngine(model, tokenizer, info, **options)
+    from macinfer.kv.model_probe import inspect_model
+
+    try:
+        inspect_model(model, model_type)
+    except MacinferError as refusal:
+        return "mlx-lm", _fall_back(refusal, model_type, model, tokenizer, info, options)
+    paged = LLMEngine(model, tokenizer, info, **options)  # its own errors (a KV budget too small) are the user's
+    try:
+        _first_forward(paged)
+    except MacinferError as refusal:
+        return "mlx-lm", _fall_back(refusal, model_type, model, tokenizer, info, options)
+    return "paged", paged
+
+
+def _first_forward(engine) -> None:
+    """One 2-token request through the engine, to its end (no full KV block: nothing is cached)."""
+    from macinfer.core.sampling import SamplingParams
+
+    engine.add_request([0, 0], SamplingParams(max_tokens=1, ignore_eos=True), request_id="macinfer-first-forward")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _fall_back(refusal: MacinferError, model_type: str, model, tokenizer, info, options: dict):
+    from macinfer.engine.dense_engine import OFF_FEATURES, DenseEngine
+
+    reason = str(refusal).splitlines()[0] if str(refusal) else type(refusal).__name__
+    reason = reason if reason.startswith(f"{model_type}: ") else f"{model_type}: {reason}"
+    dense = DenseEngine(model, tokenizer, info, **options)
+    dense.fallback_reason = reason
+    print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}: "
+          f"the paged engine refuses the model ({reason})", file=sys.stderr)
+    return dense

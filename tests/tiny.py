@@ -121,3 +121,42 @@ def build_tiny_model(
     mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def build_from_config(out: Path | str, config: dict, seed: int = 0) -> Path:
+    """Write a random-weight model of any mlx-lm `config` (e.g. one of tests/arch_configs.json) to `out`.
+
+    The tiny tokenizer above goes with it; the config's vocabulary must cover it. Matrices
+    are drawn N(0, 3^2 / fan_in) (varied, peaky logits), vectors keep their init (norms,
+    biases, SSM decay terms), everything is float32.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = json.loads(json.dumps(config))
+    config.setdefault("eos_token_id", vocab["<|im_end|>"])
+    config.setdefault("bos_token_id", vocab["<|endoftext|>"])
+    text = config.get("text_config", config)
+    if text.get("vocab_size", config.get("vocab_size", 0)) < len(vocab):
+        raise ValueError(f"vocab_size {text.get('vocab_size')} < the tokenizer's {len(vocab)}")
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    params = {}
+    for k, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            if v.ndim >= 2:
+                fan_in = 1
+                for s in v.shape[1:]:
+                    fan_in *= s
+                v = mx.random.normal(v.shape) * (3 / fan_in ** 0.5)
+            v = v.astype(mx.float32)
+        params[k] = v
+    mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
+    return out

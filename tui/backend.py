@@ -196,8 +196,9 @@ class ChatBackend:
         return f"{what} {'on' if on else 'off'}{detail}"
 
     def _rebuild_engine(self, options: dict) -> None:
-        from macinfer.engine.llm_engine import LLMEngine
+        from macinfer.llm import make_engine
 
         self.llm.engine = self.engine = None
         gc.collect()  # drop the old KV pool before allocating the new one
-        self.llm.engine = self.engine = LLMEngine(self.llm.model, self.llm.tokenizer, self.info, **options)
+        self.llm.engine_kind, self.engine = make_engine(self.llm.model, self.llm.tokenizer, self.info, **options)
+        self.llm.engine = self.engine

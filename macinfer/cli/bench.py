@@ -10,7 +10,7 @@ import json
 
 import click
 
-from macinfer.cli.options import csv_list, engine_options, one_line_errors
+from macinfer.cli.options import csv_list, engine_option, engine_options, one_line_errors
 from macinfer.errors import MacinferError
 
 
@@ -33,11 +33,13 @@ from macinfer.errors import MacinferError
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write latency/throughput and TTFT plots (PNG).")
 @click.option("--kv-memory", help="KV cache budget for the in-process engine, e.g. 2GB.")
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most (in-process).")
-@click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--dequantize/--keep-quantized", default=None,
+              help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
+@engine_option
 @click.option("--seed", default=0, show_default=True, help="Seed for the random prompts.")
 @one_line_errors
 def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_tokens, rounds, compare, compare_url,
-              draft, as_json, plot_path, kv_memory, max_num_seqs, dequantize, seed):
+              draft, as_json, plot_path, kv_memory, max_num_seqs, dequantize, seed, engine):
     """Measure TTFT, per-request decode tok/s and throughput over concurrency and prompt length.
 
     Each scenario runs C clients at once (a closed loop); the table shows p50/p95/p99
@@ -62,7 +64,7 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     if url and (compare or draft):
         raise MacinferError("--compare and --draft run in-process: use --compare-url with --url")
 
-    llm, backends = _backends(model, url, api_key, draft, dequantize, engine_options(kv_memory, max_num_seqs))
+    llm, backends = _backends(model, url, api_key, draft, dequantize, {**engine_options(kv_memory, max_num_seqs), "engine": engine})
     baseline = bench.HTTPBackend(compare_url, None, api_key, label="baseline") if compare_url else None
     progress = click.echo if not as_json else (lambda *a, **k: None)
     summaries, base = _sweep(scenarios, backends, llm, compare, baseline, seed, progress)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from macinfer.cli.options import engine_option
+
 
 @click.command("chat")
 @click.argument("model", required=False)
@@ -19,7 +21,9 @@ import click
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--draft", help="Speculative decoding drafter: ngram, a draft model, MODEL+ngram or auto (toggle with /spec).")
 @click.option("--no-prefix-cache", is_flag=True, help="Start with the prefix cache off (toggle with /prefix-cache).")
-def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache):
+@engine_option
+def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache,
+             engine):
     """Chat with MODEL in a terminal UI that shows live speed and memory figures.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local model
@@ -33,7 +37,7 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
     """
     from tui.app import ChatApp  # light: MLX and the model load on the engine thread, behind a progress bar
 
-    options = {"kv_memory": kv_memory} if kv_memory else {}
+    options = {"engine": engine, **({"kv_memory": kv_memory} if kv_memory else {})}
     if draft:
         options["draft"] = draft
     if no_prefix_cache:

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from macinfer.cli.options import one_line
+from macinfer.cli.options import engine_option, one_line
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 
@@ -124,8 +124,9 @@ def stats_line(s: dict) -> str:
               help="Speculative decoding with a draft model, n-gram lookup, both, or the model's shipped draft.")
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
+@engine_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose):
+            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -172,7 +173,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
-    llm = LLM(model, dequantize=dequantize, **options)
+    llm = LLM(model, dequantize=dequantize, engine=engine, **options)
     info = llm.info
     if verbose:
         _print_details(llm)

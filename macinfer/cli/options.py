@@ -82,3 +82,9 @@ def engine_options(kv_memory, max_num_seqs) -> dict:
     if max_num_seqs:
         opts["max_num_seqs"] = max_num_seqs
     return opts
+
+
+engine_option = click.option(
+    "--engine", type=click.Choice(["auto", "paged", "mlx-lm"]), default="auto", show_default=True,
+    help="paged: macinfer's paged engine; mlx-lm: mlx-lm's BatchGenerator (dense KV: no paging, prefix cache, "
+         "speculation or quantised KV); auto: paged, else mlx-lm for a model the paged engine cannot run.")

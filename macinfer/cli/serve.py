@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from macinfer.cli.options import engine_options, one_line_errors
+from macinfer.cli.options import engine_option, engine_options, one_line_errors
 
 
 @click.command("serve")
@@ -18,11 +18,13 @@ from macinfer.cli.options import engine_options, one_line_errors
 @click.option("--served-model-name", help="The model name clients send (default: the model's name).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 4GB (default: sized from the machine).")
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most.")
-@click.option("--dequantize", is_flag=True, help="Load quantised weights as float (faster on CPU hosts).")
+@click.option("--dequantize/--keep-quantized", default=None,
+              help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
+@engine_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
-def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level):
+def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level, engine):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -43,7 +45,7 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, **engine_options(kv_memory, max_num_seqs))
+    llm = LLM(model, dequantize=dequantize, engine=engine, **engine_options(kv_memory, max_num_seqs))
     engine = getattr(llm, "engine", None)
     if hasattr(engine, "describe"):
         click.echo(engine.describe(), err=True)

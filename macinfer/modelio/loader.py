@@ -245,7 +245,9 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     try:
         model, config = mlx_load_model(path)
     except ValueError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # One line: mlx's "Missing 9 parameters: \n<name>,\n..." names them on the lines after.
+        msg = " ".join(str(e).split()) or type(e).__name__
+        msg = msg if len(msg) <= 160 else msg[:157] + "..."
         if "not supported" in msg:
             raise MacinferError(f"{name}: unknown architecture ({msg})") from None
         raise MacinferError(f"{name}: could not load the weights ({msg})") from None

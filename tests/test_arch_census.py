@@ -1,0 +1,176 @@
+"""The last-resort engine (mlx-lm's BatchGenerator behind LLMEngine's API), engine selection,
+load errors as one line, and the architecture census (scripts/arch_census.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from oracle import mlx_lm_greedy, mlx_lm_load
+from tiny import build_from_config
+
+from macinfer.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = json.loads((ROOT / "tests" / "arch_configs.json").read_text())["configs"]
+# A model the paged engine refuses: its second loop attends to the first loop's K/V (more
+# attention calls than caches).
+UNSUPPORTED = "iquestloopcoder"
+PROMPTS = ["The quick brown fox", "Paged attention stores the key value cache in fixed size blocks. Continuous",
+           "What is", "Once upon a time there was a little model that wanted to run on a Mac."]
+
+
+@pytest.fixture(scope="module")
+def unsupported(tmp_path_factory):
+    return build_from_config(tmp_path_factory.mktemp(UNSUPPORTED), CONFIGS[UNSUPPORTED])
+
+
+def greedy(path, ids, n):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm_load(str(path))
+    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+def staggered(engine, prompts, params):
+    """Request i arrives at step 2i; returns each request's RequestOutput."""
+    rids, outs, step = [], {}, 0
+    while len(rids) < len(prompts) or engine.has_unfinished():
+        if len(rids) < len(prompts) and step == 2 * len(rids):
+            rids.append(engine.add_request(prompts[len(rids)], params[len(rids)]))
+        for d in engine.step():
+            if d.output is not None:
+                outs[d.request_id] = d.output
+        step += 1
+    return [outs[r] for r in rids]
+
+
+def test_dense_engine_staggered_batch_matches_mlx_lm(tiny_models):
+    from macinfer.core.sampling import SamplingParams
+    from macinfer.llm import LLM
+
+    path = tiny_models("llama")
+    llm = LLM(str(path), engine="mlx-lm", max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.engine_kind == "mlx-lm" and "BatchGenerator" in llm.engine.describe()
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    n = [12, 7, 10, 9]
+    outs = staggered(llm.engine, ids, [SamplingParams(max_tokens=k, ignore_eos=True) for k in n])
+    for out, i, k in zip(outs, ids, n):
+        assert out.token_ids == greedy(path, i, k)
+        assert out.finish_reason == "length" and out.metrics.ttft > 0 and out.metrics.generation_tokens == k
+    stats = llm.engine.kv_stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["used_blocks"] is None
+    assert not llm.engine.requests
+
+    # Stops are LLMEngine's: a stop token ends it (not in the output), a stop string cuts the text.
+    ref = outs[0].token_ids
+    out = llm.generate(ids[0], SamplingParams(max_tokens=12, stop_token_ids=[ref[4]]))[0]
+    assert out.token_ids == ref[:ref.index(ref[4])] and out.finish_reason == "stop"
+    text = llm.tokenizer.decode(ref)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    out = llm.generate(ids[0], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+
+    # Seeded sampling repeats, alone or batched with others; abort frees the request.
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(ids[1], sampled)[0].token_ids
+    batched = llm.generate([ids[1], ids[3]], [sampled, SamplingParams(temperature=1.0, max_tokens=6)])[0].token_ids
+    assert alone == batched
+    rid = llm.engine.add_request(ids[2], SamplingParams(max_tokens=50))
+    llm.engine.step()
+    llm.engine.abort_request(rid)
+    finals = [d for d in llm.engine.step() if d.output is not None]
+    assert [d.output.finish_reason for d in finals] == ["abort"] and not llm.engine.has_unfinished()
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["run", *map(str, args)])
+
+
+def test_run_engine_mlx_lm_matches_mlx_lm(tiny_models):
+    path = tiny_models("llama")
+    r = run(path, PROMPTS[1], "--engine", "mlx-lm", "--json", "--no-chat-template", "-n", 16, "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    _, tok = mlx_lm_load(str(path))
+    assert got["token_ids"] == mlx_lm_greedy(path, tok.encode(PROMPTS[1]), 16)
+
+
+def test_auto_falls_back_with_one_line_and_paged_refuses(unsupported):
+    r = run(unsupported, "The quick", "--no-chat-template", "-n", 6, "--json", "--peak-bandwidth", 100)
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.stderr.splitlines() if "BatchGenerator" in line]
+    assert len(notes) == 1
+    assert "without paging, prefix cache, speculation, quantised KV" in notes[0] and UNSUPPORTED in notes[0]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    _, tok = mlx_lm_load(str(unsupported))
+    assert got["token_ids"] == mlx_lm_greedy(unsupported, tok.encode("The quick"), 6)
+
+    r = run(unsupported, "The quick", "--engine", "paged", "-n", 4)
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [r.output.strip()] and r.output.startswith(f"Error: {UNSUPPORTED}: ")
+
+
+def test_unknown_architecture_and_mismatched_weights_are_one_line(tiny_models, tmp_path):
+    import shutil
+
+    src = tiny_models("llama")
+    for name, change, words in (("nosuch", {"model_type": "nosucharch"}, "unknown architecture"),
+                                ("wrongsize", {"hidden_size": 128}, "could not load the weights"),
+                                ("fewer", {"num_hidden_layers": 3}, "Missing")):
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        r = run(path, "hi", "-n", 2)
+        assert r.exit_code == 1, r.output
+        line = r.output.strip()
+        assert "\n" not in line and line.startswith(f"Error: {name}: ") and words in line, line
+
+
+def test_census_verdicts():
+    r = subprocess.run([sys.executable, "scripts/arch_census.py", "--only", f"llama,{UNSUPPORTED},nosucharch",
+                        "--jobs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [" ".join(line.split()) for line in r.stdout.strip().splitlines()]
+    assert lines[:3] == [
+        "llama identical (paged)",
+        f"{UNSUPPORTED} identical (fallback: its attention does not go through mlx-lm's scaled_dot_product_attention "
+        "once per layer (6 calls for 4 layers), so it cannot be paged safely)",
+        "nosucharch skipped: no configuration in mlx-lm's tests/test_models.py",
+    ]
+    assert lines[3].startswith("3 model types: 1 identical (paged), 1 identical (fallback), 0 mismatch, 0 refused, "
+                               "0 error, 1 skipped")
+
+
+def test_serve_runs_the_fallback_engine(unsupported):
+    """The OpenAI server over DenseEngine: concurrent completions, each its solo greedy output."""
+    import asyncio
+
+    import openai
+
+    from macinfer.llm import LLM
+    from macinfer.serve.server import create_app, serve_in_thread
+
+    llm = LLM(str(unsupported))
+    assert llm.engine_kind == "mlx-lm"
+    _, tok = mlx_lm_load(str(unsupported))
+
+    async def one(c, prompt):
+        r = await c.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    async def all_of(url):
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(c, p) for p in PROMPTS[:3]))
+
+    with serve_in_thread(create_app(llm, model_name="m")) as url:
+        got = asyncio.run(all_of(url))
+        metrics = __import__("httpx2").get(url + "/metrics").text
+    for p, ids in zip(PROMPTS[:3], got):
+        assert ids == mlx_lm_greedy(unsupported, tok.encode(p), 6)
+    assert "macinfer_requests_running" in metrics and "macinfer_kv_blocks_total" not in metrics
