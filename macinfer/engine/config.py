@@ -1,4 +1,4 @@
-"""Engine options, the default KV budget, and turning on the prefix cache for an engine."""
+"""Engine options, how the KV budget is spent (plan_memory), and turning on the prefix cache for an engine."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import mlx.core as mx
 
 from macinfer.core.kv_store import DiskPrefixStore
 from macinfer.core.prefix_cache import model_identity
+from macinfer.errors import MacinferError
+from macinfer.kv.quant import quantized_bytes_per_token
 from macinfer.paths import cache_dir
-from macinfer.units import parse_bytes
+from macinfer.units import fmt_bytes, parse_bytes
 
 
 @dataclass
@@ -125,3 +127,67 @@ def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
         if engine.info is not None:
             label_prefix_dir(root, model_id, engine.info.name, engine.info.path)
     return model_id
+
+
+@dataclass
+class MemoryPlan:
+    """How an engine's KV budget is spent (bytes), and the blocks it buys."""
+
+    bytes_per_token: int
+    bytes_per_block: int
+    state_bytes: int  # recurrent-state slots, max_num_seqs of them (hybrid / SSM models)
+    snapshot_bytes: int  # their prefix-cache snapshots
+    kv_budget: int
+    num_blocks: int
+
+
+def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: int, model_type: str) -> MemoryPlan:
+    """Budget -> bytes per token and block, state slots and snapshots, and the number of KV blocks.
+
+    Raises:
+        MacinferError: the budget holds no block, or the recurrent state alone outgrows it.
+    """
+    bs = config.block_size
+    if config.kv_bits:
+        bytes_per_token = sum(quantized_bytes_per_token(s, config.kv_bits, config.kv_group_size) for s in specs)
+    else:
+        bytes_per_token = sum(s.bytes_per_token() for s in specs)
+    bytes_per_block = bytes_per_token * bs
+    # Recurrent layers (hybrid / SSM models): a state slot per sequence, max_num_seqs of them, out of
+    # the same budget (macinfer.core.state_pool).
+    states = getattr(specs, "states", None)
+    state_bytes = config.max_num_seqs * specs.bytes_per_slot if states else 0
+    # With the prefix cache on, their snapshots at block boundaries too (macinfer.core.state_snapshots):
+    # state_snapshot_memory, or as many as there are slots, at most a quarter of what the slots leave.
+    snapshots = bool(states) and config.enable_prefix_cache
+    snapshot_bytes = 0
+    if snapshots and config.state_snapshot_memory is not None:
+        snapshot_bytes = parse_bytes(config.state_snapshot_memory, "the state snapshot memory")
+    if config.num_blocks is not None:
+        if snapshots and config.state_snapshot_memory is None:
+            snapshot_bytes = state_bytes
+        kv_budget = config.num_blocks * bytes_per_block + state_bytes + snapshot_bytes
+        return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, config.num_blocks)
+    kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
+                 else default_kv_memory(weight_bytes))
+    if state_bytes >= kv_budget:
+        raise MacinferError(
+            f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "
+            f"{fmt_bytes(state_bytes, binary=True)}, more than the {fmt_bytes(kv_budget, binary=True)} "
+            "KV budget: raise kv_memory or lower max_num_seqs")
+    if snapshots and config.state_snapshot_memory is None:
+        snapshot_bytes = min(state_bytes, (kv_budget - state_bytes) // 4)
+    if state_bytes + snapshot_bytes >= kv_budget:
+        raise MacinferError(
+            f"{model_type}: state snapshots of {fmt_bytes(snapshot_bytes, binary=True)} leave no room in "
+            f"the {fmt_bytes(kv_budget, binary=True)} KV budget: lower state_snapshot_memory")
+    # The null block counts against the budget; no point holding more than
+    # max_num_seqs full-length sequences could fill.
+    most = config.max_num_seqs * -(-max_model_len // bs) + 1
+    num_blocks = (min(kv_budget - state_bytes - snapshot_bytes, most * bytes_per_block) // bytes_per_block
+                  if bytes_per_block else min(1 << 16, most))  # no attention layers: blocks are free
+    if num_blocks < 2:
+        raise MacinferError(
+            f"a KV budget of {fmt_bytes(kv_budget, binary=True)} holds no {bs}-token block "
+            f"({fmt_bytes(bytes_per_block, binary=True)} each): raise kv_memory")
+    return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, num_blocks)

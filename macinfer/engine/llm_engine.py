@@ -31,12 +31,12 @@ import uuid
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.errors import MacinferError
-from macinfer.units import fmt_bytes, parse_bytes
+from macinfer.units import fmt_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
-from macinfer.engine.config import EngineConfig, default_kv_memory, setup_prefix_cache
+from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache
 from macinfer.engine.pipeline import InFlight, PipelinedSteps
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
@@ -64,55 +64,14 @@ class LLMEngine(PipelinedSteps):
         self.max_model_len = config.max_model_len or (info.context_length if info is not None else
                                                       getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
 
-        # KV capacity: budget -> blocks (block 0 is the null block).
+        # KV capacity: budget -> blocks (block 0 is the null block), state slots and snapshots.
         self.block_size = bs = config.block_size
-        if config.kv_bits:
-            from macinfer.kv.quant import quantized_bytes_per_token
-
-            self.bytes_per_token = sum(quantized_bytes_per_token(s, config.kv_bits, config.kv_group_size)
-                                       for s in self.specs)
-        else:
-            self.bytes_per_token = sum(s.bytes_per_token() for s in self.specs)
-        self.bytes_per_block = self.bytes_per_token * bs
-        # Recurrent layers (hybrid / SSM models): a state slot per sequence, max_num_seqs of them, out of
-        # the same budget (macinfer.core.state_pool).
+        plan = plan_memory(config, self.specs, self.max_model_len, getattr(info, "weight_bytes", 0), model_type)
+        self.bytes_per_token, self.bytes_per_block = plan.bytes_per_token, plan.bytes_per_block
+        self.state_bytes, self.snapshot_bytes, self.kv_budget = plan.state_bytes, plan.snapshot_bytes, plan.kv_budget
+        num_blocks = plan.num_blocks
         states = getattr(self.specs, "states", None)
-        self.state_bytes = config.max_num_seqs * self.specs.bytes_per_slot if states else 0
-        # With the prefix cache on, their snapshots at block boundaries too (macinfer.core.state_snapshots):
-        # state_snapshot_memory, or as many as there are slots, at most a quarter of what the slots leave.
         snapshots = bool(states) and config.enable_prefix_cache
-        self.snapshot_bytes = 0
-        if snapshots and config.state_snapshot_memory is not None:
-            self.snapshot_bytes = parse_bytes(config.state_snapshot_memory, "the state snapshot memory")
-        weight_bytes = getattr(info, "weight_bytes", 0)
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-            if snapshots and config.state_snapshot_memory is None:
-                self.snapshot_bytes = self.state_bytes
-            self.kv_budget = num_blocks * self.bytes_per_block + self.state_bytes + self.snapshot_bytes
-        else:
-            self.kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
-                              else default_kv_memory(weight_bytes))
-            if self.state_bytes >= self.kv_budget:
-                raise MacinferError(
-                    f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "
-                    f"{fmt_bytes(self.state_bytes, binary=True)}, more than the {fmt_bytes(self.kv_budget, binary=True)} "
-                    "KV budget: raise kv_memory or lower max_num_seqs")
-            if snapshots and config.state_snapshot_memory is None:
-                self.snapshot_bytes = min(self.state_bytes, (self.kv_budget - self.state_bytes) // 4)
-            if self.state_bytes + self.snapshot_bytes >= self.kv_budget:
-                raise MacinferError(
-                    f"{model_type}: state snapshots of {fmt_bytes(self.snapshot_bytes, binary=True)} leave no room in "
-                    f"the {fmt_bytes(self.kv_budget, binary=True)} KV budget: lower state_snapshot_memory")
-            # The null block counts against the budget; no point holding more than
-            # max_num_seqs full-length sequences could fill.
-            useful = (config.max_num_seqs * -(-self.max_model_len // bs) + 1) * self.bytes_per_block
-            num_blocks = (min(self.kv_budget - self.state_bytes - self.snapshot_bytes, useful) // self.bytes_per_block if self.bytes_per_block
-                          else min(1 << 16, config.max_num_seqs * -(-self.max_model_len // bs) + 1))  # no attention: free
-            if num_blocks < 2:
-                raise MacinferError(
-                    f"a KV budget of {fmt_bytes(self.kv_budget, binary=True)} holds no {bs}-token block "
-                    f"({fmt_bytes(self.bytes_per_block, binary=True)} each): raise kv_memory")
         self.block_pool = BlockPool(num_blocks, bs)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                                   kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
