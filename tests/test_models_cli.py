@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
 from macinfer.cli.main import main
-from macinfer.modelio import registry
+from macinfer.modelio import model_files, prefix_dirs
 
 REPO = "mlx-community/Tiny-Llama-4bit"
 
@@ -181,8 +181,8 @@ def test_params_of_quantised_weights_count_scales_times_group(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), arrays)
     config = {"quantization": {"group_size": 64, "bits": 4, "o": {"group_size": 32, "bits": 8}}}
     # l: 8 x 2 groups of 64 = 1024; o (own group size 32): 8 x 4 x 32 = 1024; norm: 8
-    assert registry.count_params([tmp_path / "model.safetensors"], config) == 1024 + 1024 + 8
-    assert registry.describe_quant(config) == "4-bit g64 (mixed: 8-bit layers)"
+    assert model_files.count_params([tmp_path / "model.safetensors"], config) == 1024 + 1024 + 8
+    assert model_files.describe_quant(config) == "4-bit g64 (mixed: 8-bit layers)"
 
 
 # -- pull -------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def fake_prefix_dir(root: Path, model_id: str, name: str | None, path: str, bloc
     for i in range(blocks):
         (d / f"{i:032x}.safetensors").write_bytes(b"k" * 1000)
     if name:
-        registry.label_prefix_dir(root, model_id, name, path)
+        prefix_dirs.label_prefix_dir(root, model_id, name, path)
 
 
 def test_cache_lists_and_clears_per_model(populated):

@@ -65,7 +65,8 @@ def ls_cmd(as_json, available):
       macinfer ls --available          # the catalog: what `macinfer pull` knows by name
       macinfer ls --json | jq '.models[].name'
     """
-    from macinfer.modelio.registry import catalog_models, fmt_ago, fmt_params, list_models
+    from macinfer.modelio.registry import catalog_models, list_models
+    from macinfer.modelio.model_files import fmt_ago, fmt_params
 
     models = catalog_models() if available else list_models()
     if as_json:
@@ -94,7 +95,8 @@ def pull_cmd(model):
       macinfer pull qwen3-0.6b
       macinfer pull mlx-community/Llama-3.2-3B-Instruct-4bit
     """
-    from macinfer.modelio.registry import fmt_params, pull
+    from macinfer.modelio.model_files import fmt_params
+    from macinfer.modelio.hub import pull
 
     m = pull(model)
     if m.description.startswith("already in the cache"):
@@ -121,7 +123,7 @@ def rm_cmd(model, yes):
       macinfer rm qwen3-0.6b
       macinfer rm mlx-community/Llama-3.2-1B-Instruct-4bit -y
     """
-    from macinfer.modelio.registry import plan_removal
+    from macinfer.modelio.removal import plan_removal
 
     plan = plan_removal(model)
     if not yes:
@@ -136,7 +138,7 @@ def paged_engine_check(config: dict) -> str:
     The model is built from config.json without its weights (random init, lazy: nothing is
     computed) and its attention probed as the engine does (macinfer.kv.model_probe).
     """
-    from macinfer.modelio.registry import mlx_lm_knows
+    from macinfer.modelio.model_files import mlx_lm_knows
 
     model_type = config.get("model_type")
     if not mlx_lm_knows(model_type):
@@ -177,7 +179,8 @@ def show_cmd(model, as_json, no_probe):
       macinfer show smollm2-135m
       macinfer show mlx-community/Qwen3-0.6B-4bit --json
     """
-    from macinfer.modelio.registry import fmt_params, find_model, gguf_conversion, has_chat_template, read_config
+    from macinfer.modelio.model_files import fmt_params, has_chat_template, read_config
+    from macinfer.modelio.registry import find_model, gguf_conversion
     from macinfer.spec.speculator import shipped_draft_for
 
     m = find_model(model)
@@ -259,7 +262,8 @@ def cache_cmd(ctx, as_json):
     """
     if ctx.invoked_subcommand is not None:
         return
-    from macinfer.modelio.registry import fmt_ago, prefix_dirs, prefix_root
+    from macinfer.modelio.model_files import fmt_ago
+    from macinfer.modelio.prefix_dirs import prefix_dirs, prefix_root
 
     dirs = prefix_dirs()
     total = sum(p.size_bytes for p in dirs)
@@ -290,7 +294,7 @@ def cache_clear_cmd(model):
       macinfer cache clear
       macinfer cache clear mlx-community/Qwen3-0.6B-4bit
     """
-    from macinfer.modelio.registry import clear_prefix_cache
+    from macinfer.modelio.removal import clear_prefix_cache
 
     n, freed = clear_prefix_cache(model)
     if model and not n:

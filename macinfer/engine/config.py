@@ -122,7 +122,7 @@ def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
         root = root.expanduser()
         pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.caches, engine.block_size,
                                      parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"))
-        from macinfer.modelio.registry import label_prefix_dir  # `macinfer cache` names the directory
+        from macinfer.modelio.prefix_dirs import label_prefix_dir  # `macinfer cache` names the directory
 
         if engine.info is not None:
             label_prefix_dir(root, model_id, engine.info.name, engine.info.path)
