@@ -179,11 +179,21 @@ def show_cmd(model, as_json, no_probe):
       macinfer show smollm2-135m
       macinfer show mlx-community/Qwen3-0.6B-4bit --json
     """
-    from macinfer.modelio.model_files import fmt_params, has_chat_template, read_config
-    from macinfer.modelio.registry import find_model, gguf_conversion
-    from macinfer.spec.speculator import shipped_draft_for
+    from macinfer.modelio.registry import find_model
 
     m = find_model(model)
+    info = _show_info(m, no_probe)
+    if as_json:
+        click.echo(json.dumps(info))
+    else:
+        _print_show(m, info)
+
+def _show_info(m, no_probe: bool) -> dict:
+    """What `show` reports about a found model, as the JSON it prints with --json."""
+    from macinfer.modelio.model_files import has_chat_template, read_config
+    from macinfer.modelio.registry import gguf_conversion
+    from macinfer.spec.speculator import shipped_draft_for
+
     draft = shipped_draft_for(m.catalog_name or m.name)
     info = {**m.to_json(), "kv_bytes_per_token": None, "kv_dtype": None, "chat_template": None,
             "paged_engine": None, "shipped_draft": draft}
@@ -206,9 +216,14 @@ def show_cmd(model, as_json, no_probe):
         else:
             info["chat_template"] = has_chat_template(mlx_dir)
             info["paged_engine"] = "not checked (--no-probe)" if no_probe else paged_engine_check(config or {})
-    if as_json:
-        click.echo(json.dumps(info))
-        return
+    return info
+
+
+def _print_show(m, info: dict) -> None:
+    """`show` as text: one line per fact, or where to get a model not downloaded yet."""
+    from macinfer.modelio.model_files import fmt_params
+
+    draft = info["shipped_draft"]
     if not m.downloaded:
         where = m.repo_id or m.name
         click.echo(f"{m.name}: not downloaded" + (f" ({m.description})" if m.description else ""))
