@@ -174,3 +174,18 @@ def test_serve_runs_the_fallback_engine(unsupported):
     for p, ids in zip(PROMPTS[:3], got):
         assert ids == mlx_lm_greedy(unsupported, tok.encode(p), 6)
     assert "macinfer_requests_running" in metrics and "macinfer_kv_blocks_total" not in metrics
+
+
+def test_looped_model_prefill_keeps_every_position(tmp_path):
+    """nanbeige runs its layer stack twice, each loop ending with the final norm: picking each row's
+    last position inside that norm (the prefill shortcut) broke the second loop (token 0 differed)."""
+    from macinfer.core.sampling import SamplingParams
+    from macinfer.llm import LLM
+
+    path = build_from_config(tmp_path / "nanbeige", CONFIGS["nanbeige"])
+    llm = LLM(str(path), engine="paged", max_num_seqs=4, max_num_batched_tokens=8, kv_memory="64MiB")
+    assert llm.engine.runner.pick_last_rows is False
+    _, tok = mlx_lm_load(str(path))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = staggered(llm.engine, prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
+    assert [o.token_ids for o in outs] == [greedy(path, p, 6) for p in prompts]

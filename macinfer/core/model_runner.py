@@ -47,6 +47,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.batch_decode = batch_decode
+        self.pick_last_rows = norm_applied_once(model)  # prefill: the head on each row's last position only
         self.ctx = ForwardContext()
         if kv_bits:
             from macinfer.kv.quant import QuantizedPagedKVCache
@@ -135,7 +136,7 @@ class ModelRunner:
             return head(h)  # (B, V): the head on the sampled positions only
         if all_logits:
             return self.model(inputs, cache=self.caches)  # (B, L, V)
-        logits = (self.model(inputs, cache=self.caches) if L == 1
+        logits = (self.model(inputs, cache=self.caches) if L == 1 or not self.pick_last_rows
                   else _last_rows_only(self.model, inputs, self.caches, last))
         if logits.shape[1] == 1:  # the head ran on each row's last real position only
             return logits[:, 0, :]
@@ -275,6 +276,37 @@ class _PickRows(nn.Module):
         if all(n == self.L - 1 for n in self.last):
             return self.norm(h[:, -1:])
         return self.norm(h[mx.arange(h.shape[0]), mx.array(self.last)][:, None])
+
+
+def norm_applied_once(model: nn.Module) -> bool:
+    """Whether the model's final norm (`model.model.norm`) runs exactly once per forward, at the end.
+
+    `_last_rows_only` picks each row's last position inside that norm, which is only right if
+    nothing runs after it: a looped model (nanbeige: the layer stack num_loops times, each loop
+    ending with the norm) would carry on with one position per row. Found by one lazy forward
+    (shapes only) that counts the calls.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    body = getattr(model, "model", None)
+    norm = getattr(body, "norm", None)
+    if not isinstance(norm, nn.Module):
+        return False
+    calls = []
+
+    class Count(nn.Module):
+        def __call__(self, h):
+            calls.append(1)
+            return norm(h)
+
+    body.norm = Count()
+    try:
+        model(mx.array([[0, 0]]), cache=make_prompt_cache(model))
+    except Exception:  # noqa: BLE001 - a model we cannot probe runs whole
+        return False
+    finally:
+        body.norm = norm
+    return len(calls) == 1
 
 
 def _last_rows_only(model: nn.Module, inputs: mx.array, caches: list, last: list[int]) -> mx.array:
