@@ -156,7 +156,7 @@ def child(name: str) -> dict:
 
         try:
             with contextlib.redirect_stderr(io.StringIO()) as err:
-                llm = LLM(str(path), engine="auto", max_num_seqs=4, max_num_batched_tokens=CHUNK, kv_memory="64MiB")
+                llm = LLM(str(path), engine="auto", max_num_seqs=4, max_num_batched_tokens=CHUNK, kv_memory="256MiB")
         except MacinferError as e:
             return {"verdict": f"refused: {strip_type(str(e), name)}"}
         except Exception as e:  # noqa: BLE001
