@@ -222,3 +222,16 @@ def test_serve_cli_help_and_one_line_error():
     r = CliRunner().invoke(main, ["serve", "/no/such/model", "--port", "0"])
     assert r.exit_code != 0 and "no such model" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_oversized_body_is_refused_before_it_is_read(served):
+    """A 9 MB body gets OpenAI's error body with 413 at once (it used to stall the server while parsed),
+    counted in the metrics, and the server keeps serving."""
+    url = served[0]
+    body = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "' + b"x" * (9 << 20) + b'"}]}'
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "at most 8,388,608" in err["message"]
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert 'macinfer_request_errors_total{status="413"} 1.0' in httpx.get(url + "/metrics", timeout=10).text

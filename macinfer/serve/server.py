@@ -218,13 +218,20 @@ async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
         raise
 
 
-def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None) -> FastAPI:
+# A request body larger than this is refused before it is read (413): a long prompt is a few
+# hundred KB of text, and parsing and tokenising a huge body would stall every other client.
+MAX_BODY_BYTES = 8 << 20
+
+
+def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM).
 
     Args:
         api_key: if set, every request must send `Authorization: Bearer <api_key>`.
         model_name: the name clients pass as `model` (default: the model's name).
         engine: the engine to drive; default: the LLM's continuous-batching engine.
+        max_body_bytes: larger request bodies (by their Content-Length) get a 413.
     """
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
@@ -240,16 +247,21 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    _add_error_handling(app, metrics, api_key)
+    _add_error_handling(app, metrics, api_key, max_body_bytes)
     _add_routes(app, server)
     return app
 
 
-def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None) -> None:
-    """The API key check and OpenAI's error body for every error, each counted in the metrics."""
+def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int) -> None:
+    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics."""
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > max_body_bytes:
+            metrics.errors.labels("413").inc()
+            return APIError(413, f"the request body is {int(size):,} bytes; this server takes at most "
+                                 f"{max_body_bytes:,}", None, "request_too_large").response()
         if api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
