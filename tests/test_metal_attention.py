@@ -128,6 +128,26 @@ def test_reference_matches_engine_paged_attention():
         assert_close(ma.paged_attention_online(**args), engine.paged_attention(**args))
 
 
+def test_padded_row_with_a_short_table_is_read_within_its_table():
+    """A prefill chunk of 3 tokens batched with one of 8 (L = 8): the short row's context_len counts
+    its 5 padding tokens (9 + 8 = 17 -> 5 blocks of 4) while its table holds the 3 blocks its 12
+    real tokens need. The reference (and the kernel, same index arithmetic) read entry 4 of a
+    3-entry table: IndexError before the tables were padded to every row's context."""
+    from macinfer.kv.paged_attention import paged_attention
+
+    bs, L = 4, 8
+    args = ma.random_problem(0, context_lens=[16, 12], q_len=L, n_heads=4, n_kv_heads=2, head_dim=32, block_size=bs)
+    tables = [list(map(int, row[:4])) for row in np.asarray(args["block_tables"])]
+    tables[1] = tables[1][:3]
+    args.update(block_tables=tables, context_lens=[16, 9 + L])
+    got = ma.paged_attention_online(**args)
+    want = paged_attention(**args)
+    assert_close(got[0], want[0])
+    assert_close(got[1, :, :3], want[1, :, :3])  # the short row's 3 real queries
+    launch = ma.kernel_launch(**{k: v for k, v in args.items()})
+    assert launch["inputs"][3].shape == (2, 5)  # every table covers its row's context
+
+
 # ---------------------------------------------------------------- the Metal source
 
 

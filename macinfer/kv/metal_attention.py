@@ -103,11 +103,21 @@ def _np32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
-def _table_array(block_tables) -> mx.array:
-    """Block tables as int32 (B, max_blocks), padding lists with the null block 0."""
+def _table_array(block_tables, context_lens, block_size: int) -> mx.array:
+    """Block tables as int32 (B, W), padded with the null block 0 to cover every row's context.
+
+    NOTE: W covers ceil(context_len / block_size) for every row, not just the longest table:
+    a row right-padded in a batch (a short prefill chunk beside a longer one) counts its
+    padding in context_lens, so its table can be shorter than its context. The kernel reads
+    entry pos // BS for every position up to context_len - 1; without this it read past
+    the buffer (the reference raised IndexError on the same input).
+    """
+    lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
+    need = max((-(-c // block_size) for c in lens), default=0)
     if isinstance(block_tables, mx.array):
-        return block_tables.astype(mx.int32)
-    width = max(len(t) for t in block_tables)
+        t = block_tables.astype(mx.int32)
+        return t if t.shape[1] >= need else mx.pad(t, [(0, 0), (0, need - t.shape[1])])
+    width = max(max(len(t) for t in block_tables), need)
     return mx.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=mx.int32)
 
 
@@ -134,7 +144,7 @@ def paged_attention_online(
     """
     q = _np32(queries)
     kp, vp = _np32(k_pool), _np32(v_pool)
-    tables = np.asarray(_table_array(block_tables))
+    tables = np.asarray(_table_array(block_tables, context_lens, block_size))
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
     B, H, QL, D = q.shape
     KVH, BS = kp.shape[0], block_size
@@ -329,7 +339,7 @@ def kernel_launch(
     lens = context_lens if isinstance(context_lens, mx.array) else mx.array([int(c) for c in context_lens])
     return dict(
         inputs=[
-            queries, k_pool, v_pool, _table_array(block_tables), lens.astype(mx.int32),
+            queries, k_pool, v_pool, _table_array(block_tables, lens, BS), lens.astype(mx.int32),
             mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
             mx.array([softcap or 0], dtype=mx.float32),
         ],
