@@ -579,7 +579,15 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
     engine.runner.ctx.attention_fn = spy
     from macinfer.core.sampling import SamplingParams
 
-    engine.add_request(tok.encode("hello world"), SamplingParams(max_tokens=2))
+    engine.add_request(tok.encode("hello world")[:4], SamplingParams(max_tokens=2))  # a 4-token prefill
     while engine.has_unfinished():
         engine.step()
     assert len(calls) == 2 * len(model.layers)  # prefill + one decode, every layer
+    # A prefill chunk longer than KERNEL_MAX_Q_LEN goes to MLX's SDPA, never the decode kernel.
+    from macinfer.kv.paged_cache import KERNEL_MAX_Q_LEN
+
+    calls.clear()
+    engine.add_request(list(range(5, 5 + 3 * KERNEL_MAX_Q_LEN)), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(calls) == len(model.layers)  # the decode step only

@@ -48,6 +48,9 @@ class PagedMask:
     window: int | None = None
 
 
+KERNEL_MAX_Q_LEN = 8  # decode and verify rows (1 + drafts) only; MLX's own sdpa_vector limit
+
+
 @dataclass
 class ForwardContext:
     """Per-forward metadata shared by every layer's cache (set by the model runner).
@@ -73,7 +76,9 @@ class ForwardContext:
                softcap=None) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
         extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
-        if self.attention_fn is not None:
+        # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
+        # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
+        if self.attention_fn is not None and queries.shape[2] <= KERNEL_MAX_Q_LEN:
             return self.attention_fn(queries, k_pool, v_pool, block_tables, self.context_lens,
                                      block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
         return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
