@@ -285,3 +285,19 @@ def test_attention_without_sdpa_is_refused():
 
     with pytest.raises(MacinferError, match="handrolled.*cannot be paged"):
         inspect_model(HandRolled(), "handrolled")
+
+
+def test_wired_limit_is_mlx_lms_recommended_one_on_metal_only(monkeypatch):
+    """The engine wires memory as mlx-lm's generate and server do (maybe_set_recommended_wired_limit),
+    and only where there is Metal."""
+    import mlx.core as mx
+    import mlx_lm.utils
+
+    from macinfer.engine.config import wire_memory
+
+    calls = []
+    monkeypatch.setattr(mlx_lm.utils, "maybe_set_recommended_wired_limit", lambda: calls.append(1) or 0)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    assert wire_memory() is False and calls == []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    assert wire_memory() is True and calls == [1]

@@ -88,6 +88,19 @@ class EngineConfig:
             self.max_num_batched_tokens = max(512 if mx.metal.is_available() else 128, self.max_num_seqs)
 
 
+def wire_memory() -> bool:
+    """On Metal, wire the recommended working set (mlx-lm's own call, as its generate and server do).
+
+    Wired memory is not paged out under pressure, so the weights and KV pools stay resident
+    between steps. A no-op without Metal. Returns whether the limit was set.
+    """
+    if not mx.metal.is_available():
+        return False
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    return maybe_set_recommended_wired_limit() is not None
+
+
 def default_kv_memory(weight_bytes: int) -> int:
     """The KV budget when none is given (see module docstring)."""
     if mx.metal.is_available():

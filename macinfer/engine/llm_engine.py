@@ -36,7 +36,7 @@ from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
-from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache
+from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
 from macinfer.engine.pipeline import InFlight, PipelinedSteps
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
@@ -72,6 +72,7 @@ class LLMEngine(PipelinedSteps):
         num_blocks = plan.num_blocks
         states = getattr(self.specs, "states", None)
         snapshots = bool(states) and config.enable_prefix_cache
+        wire_memory()
         self.block_pool = BlockPool(num_blocks, bs)
         self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                                   kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
