@@ -570,10 +570,11 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
     with pytest.raises(MacinferError, match="needs Metal"):
         LLMEngine(model, tok, info, num_blocks=16, attention="metal")
     # A selected kernel is what every layer calls: count the calls through the hook.
-    calls = []
+    calls, tables = [], []
 
     def spy(*args, **kw):
         calls.append(1)
+        tables.append(args[3])  # the padded int32 tables, built once per forward
         return paged_attention(*args, **kw)
 
     engine.runner.ctx.attention_fn = spy
@@ -583,6 +584,8 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
     while engine.has_unfinished():
         engine.step()
     assert len(calls) == 2 * len(model.layers)  # prefill + one decode, every layer
+    L = len(model.layers)
+    assert all(isinstance(t, mx.array) for t in tables) and all(tables[i] is tables[i - i % L] for i in range(len(tables)))
     # A prefill chunk longer than KERNEL_MAX_Q_LEN goes to MLX's SDPA, never the decode kernel.
     from macinfer.kv.paged_cache import KERNEL_MAX_Q_LEN
 

@@ -103,7 +103,7 @@ def _np32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
-def _table_array(block_tables, context_lens, block_size: int) -> mx.array:
+def padded_tables(block_tables, context_lens, block_size: int) -> mx.array:
     """Block tables as int32 (B, W), padded with the null block 0 to cover every row's context.
 
     NOTE: W covers ceil(context_len / block_size) for every row, not just the longest table:
@@ -144,7 +144,7 @@ def paged_attention_online(
     """
     q = _np32(queries)
     kp, vp = _np32(k_pool), _np32(v_pool)
-    tables = np.asarray(_table_array(block_tables, context_lens, block_size))
+    tables = np.asarray(padded_tables(block_tables, context_lens, block_size))
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
     B, H, QL, D = q.shape
     KVH, BS = kp.shape[0], block_size
@@ -339,7 +339,7 @@ def kernel_launch(
     lens = context_lens if isinstance(context_lens, mx.array) else mx.array([int(c) for c in context_lens])
     return dict(
         inputs=[
-            queries, k_pool, v_pool, _table_array(block_tables, lens, BS), lens.astype(mx.int32),
+            queries, k_pool, v_pool, padded_tables(block_tables, context_lens, BS), lens.astype(mx.int32),
             mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
             mx.array([softcap or 0], dtype=mx.float32),
         ],
