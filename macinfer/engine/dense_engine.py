@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 
 from macinfer.core.outputs import StreamDelta
@@ -165,6 +164,7 @@ class DenseEngine:
     _truncate_at_stop = staticmethod(LLMEngine._truncate_at_stop)
     _delta = LLMEngine._delta
     _finish = LLMEngine._finish
+    _new_sequence = LLMEngine._new_sequence
 
     def __init__(self, model, tokenizer, info=None, **options):
         from mlx_lm.generate import BatchGenerator
@@ -213,22 +213,10 @@ class DenseEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense)."""
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise MacinferError("the prompt is empty: give some text to complete")
-        if len(ids) >= self.max_model_len:
-            raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
-                                f"{self.max_model_len}: shorten it")
-        request_id = request_id or uuid.uuid4().hex[:12]
-        if request_id in self.requests:
-            raise MacinferError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
-                       detokenizer=self.tokenizer.detokenizer,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-        self.requests[request_id] = seq
+        seq = self._new_sequence(prompt, params, request_id, arrival_time)
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return seq.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its final delta comes with the next step()."""

@@ -176,6 +176,19 @@ class LLMEngine(PipelinedSteps):
             MacinferError: empty prompt, prompt longer than the context, or a
                 prompt whose KV could never fit in the pool.
         """
+        seq = self._new_sequence(prompt, params, request_id, arrival_time)
+        n = len(seq.prompt_token_ids)
+        if self.block_pool.num_blocks_for(n) > self.block_pool.num_usable_blocks:
+            raise MacinferError(
+                f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
+                f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt, params: SamplingParams | None, request_id: str | None,
+                      arrival_time: float | None) -> Sequence:
+        """A checked, not yet queued Sequence: encoded, non-empty, within the context, a fresh id."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -183,19 +196,12 @@ class LLMEngine(PipelinedSteps):
         if len(ids) >= self.max_model_len:
             raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
                                 f"{self.max_model_len}: shorten it")
-        if self.block_pool.num_blocks_for(len(ids)) > self.block_pool.num_usable_blocks:
-            raise MacinferError(
-                f"the prompt is {len(ids)} tokens but the KV cache holds {self.num_tokens_capacity} "
-                f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
         request_id = request_id or uuid.uuid4().hex[:12]
         if request_id in self.requests:
             raise MacinferError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
-                       detokenizer=self.tokenizer.detokenizer,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+                        detokenizer=self.tokenizer.detokenizer,
+                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final delta comes with the next step()."""
