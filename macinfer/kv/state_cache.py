@@ -19,8 +19,7 @@ valid only for exactly the tokens it has consumed. So each running sequence owns
 Storage. A slot is not a row of a preallocated pool array but a reference (batch, row) to
 the arrays the forward that last ran the sequence produced. Nothing is written in place,
 so there is no scatter into a pool and no chance of MLX copying a whole pool because a lazy
-gather still aliases it (measured in /tmp/hybrid/FINDINGS.md: 600 ms against 5 ms per forward
-on a 512 MiB pool). A decode batch whose rows are the previous forward's rows in the same order
+gather still aliases it (docs/platform.md, "MLX's CPU backend": in-place pool updates). A decode batch whose rows are the previous forward's rows in the same order
 takes those arrays as they are (no op at all, and async scheduling can chain steps lazily);
 other row sets take a gather (`a[idx]`) or, across batches, a concatenation of rows. A batch's
 arrays are dropped once no slot refers to them, so the memory held is about the running
@@ -28,7 +27,7 @@ sequences' states (what the engine reserves in its budget: `bytes_per_slot` x ma
 
 A fresh sequence has no state: when every row of a forward is fresh the layers get None, the
 path mlx-lm takes for a new prompt; fresh rows among others get zeros, which the layers treat
-the same (FINDINGS.md section 1).
+the same (each layer starts from a zero conv window and a zero recurrent state when it has none).
 
 Models whose state layers ignore `lengths` (mamba v1, nemotron_h, ...) are detected with a small
 probe at start-up (`honours_lengths`); the runner then only batches rows with equal new-token counts.
