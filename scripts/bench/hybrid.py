@@ -65,8 +65,7 @@ def run_engine(model, tok, prompts, tokens, max_seqs):
 
     state_cache.StateStore.bind = timed
     try:
-        engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=max_seqs,
-                           max_num_batched_tokens=max(256, max_seqs))
+        engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=max_seqs)  # default budget
         t = time.perf_counter()
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True), request_id=str(i))
