@@ -87,7 +87,7 @@ class LLMEngine(PipelinedSteps):
                                             self.snapshots)
         else:
             self.scheduler = Scheduler(sched_config, self.block_pool)
-        from macinfer.kv.metal_attention import select_attention
+        from macinfer.kv.kernel_dispatch import select_attention
         from macinfer.kv.paged_attention import paged_attention
 
         fn, self.attention_backend = select_attention(config.attention, paged_attention,
