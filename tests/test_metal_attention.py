@@ -652,12 +652,11 @@ def test_bench_script_end_to_end_decode(capsys, tiny_models):
     assert "beyond" in lines[-1] and "skipped" in lines[-1]  # 600 > the tiny model's 512-token context
 
 
-def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models):
-    """Wired into the engine: auto -> reference here, metal -> one clear error, kernel hook used when set."""
+@pytest.mark.skipif(mx.metal.is_available(), reason="asserts the engine's choice without Metal")
+def test_engine_selects_reference_without_metal_and_refuses_metal(tiny_models):
+    """Wired into the engine: auto -> reference here, metal -> one clear error."""
     from macinfer.engine.llm_engine import LLMEngine
-    from macinfer.errors import MacinferError
     from macinfer.modelio.loader import load_model
-    from macinfer.kv.paged_attention import paged_attention
 
     model, tok, info = load_model(str(tiny_models("llama")))
     engine = LLMEngine(model, tok, info, num_blocks=16)
@@ -665,6 +664,39 @@ def test_engine_selects_reference_without_metal_and_honours_the_flag(tiny_models
     assert engine.runner.ctx.attention_fn is None
     with pytest.raises(MacinferError, match="needs Metal"):
         LLMEngine(model, tok, info, num_blocks=16, attention="metal")
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal: the real kernel in the engine")
+def test_engine_on_metal_decodes_like_the_reference(tiny_models):
+    """On a Mac: the engine with the kernel forced gives the reference engine's greedy tokens."""
+    from macinfer.core.sampling import SamplingParams
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.modelio.loader import load_model
+
+    model, tok, info = load_model(str(tiny_models("llama")))
+    outs = []
+    for attention in ("reference", "metal"):
+        engine = LLMEngine(model, tok, info, num_blocks=64, attention=attention)
+        assert engine.attention_backend == attention
+        ids = [engine.add_request(tok.encode(p), SamplingParams(max_tokens=8, ignore_eos=True))
+               for p in ("hello world", "the paged kernel reads blocks")]
+        got = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.output is not None:
+                    got[d.request_id] = d.output.token_ids
+        outs.append([got[i] for i in ids])
+    assert outs[0] == outs[1]
+
+
+def test_engine_calls_the_kernel_hook_for_decode_rows_only(tiny_models):
+    """A kernel set on the runner is what every layer calls for decode rows, with tables built once per forward."""
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.modelio.loader import load_model
+    from macinfer.kv.paged_attention import paged_attention
+
+    model, tok, info = load_model(str(tiny_models("llama")))
+    engine = LLMEngine(model, tok, info, num_blocks=16, attention="reference")
     # A selected kernel is what every layer calls: count the calls through the hook.
     calls, tables = [], []
 
