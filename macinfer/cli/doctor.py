@@ -19,7 +19,7 @@ import time
 
 import click
 
-from macinfer.perf.timing import median_ms
+from macinfer.timing import median_ms
 
 RAN, SKIPPED, FAILED = "ran", "skipped", "failed"
 CHECKS = ("system", "software", "metal", "bandwidth", "kernel_self_check", "kernel_timing", "decode")

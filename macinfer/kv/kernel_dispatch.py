@@ -30,8 +30,6 @@ reaches a forward before its pipeline ran, evaluated, and matched the reference.
 from __future__ import annotations
 
 import re
-import statistics
-import time
 import warnings
 
 import mlx.core as mx
@@ -39,6 +37,7 @@ import mlx.core as mx
 from macinfer.errors import MacinferError
 from macinfer.kv import metal_attention as ma
 from macinfer.kv.paged_attention import QuantPool
+from macinfer.timing import median_ms
 
 MODES = ("reference", "metal", "auto")
 _THREAD_LIMIT = re.compile(r"maximum allowed threads per threadgroup \((\d+)\)")
@@ -52,15 +51,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def median_seconds(fn, repeats: int = 5) -> float:
-    """The default timer: median seconds of mx.eval(fn()) after one warm-up run."""
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_seconds(fn) -> float:
+    """The default timer: median seconds of mx.eval(fn()) over 5 runs after a warm-up."""
+    return median_ms(fn, 5) / 1e3
 
 
 def kernel_supports(queries, k_pool, v_pool, *, sinks=None, softcap=None) -> bool:

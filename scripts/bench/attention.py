@@ -67,7 +67,7 @@ def main(argv=None):
     from macinfer.kv import metal_attention as ma
     from macinfer.kv.kernel_dispatch import select_attention
     from macinfer.kv.paged_attention import paged_attention
-    from macinfer.perf.timing import median_ms
+    from macinfer.timing import median_ms
 
     metal = ma.metal_available()
     dtype = getattr(mx, a.dtype or ("float16" if metal else "float32"))
