@@ -85,7 +85,7 @@ class ForwardContext:
         if softcap is not None:  # logit soft-capping (attention_variants)
             args["softcap"] = softcap
         fn = self.attention_fn
-        if fn is not None and self._kernel_may_run(fn, queries.shape[2], block_tables, block_size, window):
+        if fn is not None and self._kernel_may_run(fn, queries.shape[2], block_tables, block_size, window, memo):
             # The padded int32 tables once per forward, not per layer (1.5 ms a layer at 64 rows x 256 blocks).
             key = ("kernel_tables", block_size)
             if key not in memo:
@@ -96,15 +96,19 @@ class ForwardContext:
                           **{k: v for k, v in args.items() if k not in _POSITIONAL})
         return paged_attention(**args, memo=memo)
 
-    def _kernel_may_run(self, fn, q_len: int, block_tables, block_size: int, window) -> bool:
+    def _kernel_may_run(self, fn, q_len: int, block_tables, block_size: int, window, memo: dict) -> bool:
         # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
         # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
         if q_len > KERNEL_MAX_Q_LEN:
             return False
         # One row whose blocks are a contiguous run: one slice into MLX's SDPA, no copy (mlx-lm's path,
-        # with two-pass splitting on large chips); the kernel has no KV split.
-        return not (getattr(fn, "prefers_slice", False)
-                    and reads_one_slice(block_tables, self.context_lens, q_len, block_size, window))
+        # with two-pass splitting on large chips); the kernel has no KV split. Worked out once per forward.
+        if not getattr(fn, "prefers_slice", False):
+            return True
+        key = ("one_slice", block_size, window)
+        if key not in memo:
+            memo[key] = reads_one_slice(block_tables, self.context_lens, q_len, block_size, window)
+        return not memo[key]
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
