@@ -292,7 +292,7 @@ def test_metal_kernel_softcap_in_emulator(tmp_path):
     import shutil
     import subprocess
 
-    from test_metal_attention import SHIM, emulator_cpp, mlx_generated_source
+    from test_metal_attention import SHIM, _compile_flags, emulator_cpp, mlx_generated_source
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++ to build the Metal-source emulator")
@@ -303,8 +303,8 @@ def test_metal_kernel_softcap_in_emulator(tmp_path):
     assert float(launch["inputs"][ma.INPUT_NAMES.index("softcap")][0]) == 2.0
     src = mlx_generated_source(ma.build_kernel(), launch, tmp_path)
     (tmp_path / "k.cpp").write_text(SHIM + emulator_cpp("cap", src))
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-o",
-                            str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], capture_output=True, text=True)
+    build = subprocess.run(["g++", *_compile_flags(), "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
 

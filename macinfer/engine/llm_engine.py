@@ -15,7 +15,7 @@ decoding, step n+1 is queued before step n's tokens are read back.
 
 KV budget: `kv_memory` (bytes, or "2GB" = 2e9 / "2GiB" = 2**30: macinfer.units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
-margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
+margin, at most an eighth of memory (engine/config.py default_kv_memory); elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
 Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
 slots out of the same budget first, and with the prefix cache on their state snapshots
@@ -87,7 +87,7 @@ class LLMEngine(PipelinedSteps):
                                             self.snapshots)
         else:
             self.scheduler = Scheduler(sched_config, self.block_pool)
-        from macinfer.kv.metal_attention import select_attention
+        from macinfer.kv.kernel_dispatch import select_attention
         from macinfer.kv.paged_attention import paged_attention
 
         fn, self.attention_backend = select_attention(config.attention, paged_attention,

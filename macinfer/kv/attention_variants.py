@@ -213,30 +213,29 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
     One row reads exactly its C slots (one slice when its blocks are a contiguous run), as
     mlx-lm's KVCache returns them; a batch gathers every row's padded block table.
     """
-    from macinfer.kv.paged_attention import block_slots
+    from macinfer.kv.paged_attention import block_slots, slice_slots, take_slots
 
     if cache.window is not None:
         raise NotImplementedError("a dense context of a sliding-window layer")
     ctx, bs = cache.ctx, cache.block_size
-    if hasattr(cache, "_compact"):  # quantised pools: the referenced blocks, dequantised
-        k_pool, v_pool, tables = cache._compact()
-    else:
-        k_pool, v_pool, tables = cache.k_pool, cache.v_pool, ctx.block_tables
+    # quantised pools (QuantPool): dequantised after the slice or gather
+    k_pool, v_pool = cache.pools() if hasattr(cache, "pools") else (cache.k_pool, cache.v_pool)
+    tables = ctx.block_tables
     lens = ctx.context_lens
     if len(lens) == 1:
         blocks = list(tables[0][: -(-lens[0] // bs)])
         if all(b == blocks[0] + i for i, b in enumerate(blocks)):
             s0 = blocks[0] * bs
-            return k_pool[None, :, s0: s0 + lens[0]], v_pool[None, :, s0: s0 + lens[0]]
+            return slice_slots(k_pool, s0, s0 + lens[0])[None], slice_slots(v_pool, s0, s0 + lens[0])[None]
         ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
-        return k_pool[:, ids][None], v_pool[:, ids][None]
+        return take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]
     key = ("dense_slots", id(tables))
     if key not in ctx.memo:
         MB = max(-(-c // bs) for c in lens)
         padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
         ctx.memo[key] = (block_slots(padded, bs), tables)  # tables kept alive: its id is the key
     slots = ctx.memo[key][0]
-    return k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
+    return take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
 
 
 class _ShapeRecorder:

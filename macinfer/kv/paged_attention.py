@@ -35,9 +35,50 @@ Masking, for query i of a row with context length C and q_len queries:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
+
+
+class QuantPool(NamedTuple):
+    """A quantised K or V pool (macinfer.kv.quant): MLX affine codes with a scale and bias per group.
+
+        codes            uint32 (n_kv_heads, slots, head_dim * bits / 32), element d of a slot in
+                         word d // (32 / bits) at bit (d % (32 / bits)) * bits, lowest first
+        scales, biases   (n_kv_heads, slots, head_dim / group_size):  x = scale * code + bias
+    """
+
+    codes: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dequantised pool's shape (n_kv_heads, slots, head_dim)."""
+        H, S, words = self.codes.shape
+        return (H, S, words * 32 // self.bits)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+
+def take_slots(pool: mx.array | QuantPool, ids: mx.array) -> mx.array:
+    """pool[:, ids] as floats: (n_kv_heads, *ids.shape, head_dim); a quantised pool is dequantised after the gather."""
+    if isinstance(pool, QuantPool):
+        return mx.dequantize(pool.codes[:, ids], pool.scales[:, ids], pool.biases[:, ids],
+                             group_size=pool.group_size, bits=pool.bits)
+    return pool[:, ids]
+
+
+def slice_slots(pool: mx.array | QuantPool, s0: int, s1: int) -> mx.array:
+    """pool[:, s0:s1] as floats (a view of a float pool: no copy)."""
+    if isinstance(pool, QuantPool):
+        return mx.dequantize(pool.codes[:, s0:s1], pool.scales[:, s0:s1], pool.biases[:, s0:s1],
+                             group_size=pool.group_size, bits=pool.bits)
+    return pool[:, s0:s1]
 
 
 _SMALL_Q = 16  # up to this many queries per row, an additive causal mask built once per forward
@@ -51,6 +92,22 @@ def block_slots(block_tables: mx.array, block_size: int) -> mx.array:
 
 def _contiguous_run(block_table: list[int]) -> bool:
     return all(b == block_table[0] + i for i, b in enumerate(block_table))
+
+
+def row_blocks(table, C: int, q_len: int, bs: int, window: int | None) -> tuple[int, list[int]]:
+    """The blocks one row's queries read: (first slot any query sees, their block ids)."""
+    first = 0
+    if window is not None:
+        first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
+    return first, list(table[first // bs: -(-C // bs)])
+
+
+def reads_one_slice(block_tables, context_lens, q_len: int, bs: int, window: int | None) -> bool:
+    """One row whose blocks in use are a contiguous run: the reference reads them as one slice, no copy
+    (mlx-lm's own path: a KVCache slice into MLX's SDPA)."""
+    if len(context_lens) != 1 or isinstance(block_tables, mx.array):
+        return False
+    return _contiguous_run(row_blocks(block_tables[0], int(context_lens[0]), q_len, bs, window)[1])
 
 
 def paged_attention(
@@ -73,7 +130,8 @@ def paged_attention(
         queries: (B, n_heads, q_len, head_dim), already rotated; the q_len queries
             are the last q_len positions of each row's context.
         k_pool, v_pool: (n_kv_heads, num_blocks * block_size, head_dim[_v]), head-major
-            slots (module docstring), with this step's K/V already written.
+            slots (module docstring), with this step's K/V already written; or `QuantPool`s,
+            dequantised after the gather (only the slots read).
         block_tables: B block-id lists (or an int32 (B, max_blocks) array padded
             with the null block 0); a list shorter than context_lens[b] slots is
             padded with the null block.
@@ -113,21 +171,18 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict
     window's blocks are read when it applies.
     """
     q_len = queries.shape[2]
-    first = 0
-    if window is not None:
-        first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
-    blocks = list(table[first // bs: -(-C // bs)])
+    first, blocks = row_blocks(table, C, q_len, bs, window)
     S = C - first
     if _contiguous_run(blocks):
         # Blocks handed out in order (the usual single-stream case): one slice, no copy.
         s0 = blocks[0] * bs
-        k, v = k_pool[None, :, s0: s0 + S], v_pool[None, :, s0: s0 + S]  # (1, n_kv, S, D)
+        k, v = slice_slots(k_pool, s0, s0 + S)[None], slice_slots(v_pool, s0, s0 + S)[None]  # (1, n_kv, S, D)
     else:
         key_ = ("row_slots", first)
         if key_ not in memo:
             memo[key_] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :S]
         ids = memo[key_]
-        k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
+        k, v = take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]  # (1, n_kv, S, D)
     if window is None or S <= window and q_len == 1:
         mask = "causal" if q_len > 1 else None
         if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
@@ -159,7 +214,7 @@ def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, wind
         memo["slots"] = block_slots(memo["tables"], bs)  # (B, S)
     slots = memo["slots"]
     # One take along the slot axis: (n_kv, B, S, D) -> (B, n_kv, S, D).
-    k, v = k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
+    k, v = take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
     key_ = ("mask", window, q_len)
     if key_ not in memo:
         S = k.shape[2]

@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.kv.metal_attention import padded_tables
-from macinfer.kv.paged_attention import paged_attention
+from macinfer.kv.paged_attention import paged_attention, reads_one_slice
 
 
 @dataclass
@@ -50,6 +50,7 @@ class PagedMask:
 
 
 KERNEL_MAX_Q_LEN = 8  # decode and verify rows (1 + drafts) only; MLX's own sdpa_vector limit
+_POSITIONAL = ("queries", "k_pool", "v_pool", "block_tables", "context_lens")
 
 
 @dataclass
@@ -70,24 +71,44 @@ class ForwardContext:
     slot_blocks: mx.array | None = None
     slot_offsets: mx.array | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
-    # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
+    # The fused Metal kernel when the engine selected it (macinfer.kv.kernel_dispatch); None: reference.
     attention_fn: object = None
 
     def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
                softcap=None) -> mx.array:
-        """Attention over pages with the selected backend (one place for every cache type)."""
-        extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
-        # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
-        # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
-        if self.attention_fn is not None and queries.shape[2] <= KERNEL_MAX_Q_LEN:
+        """Attention over pages with the selected backend (one place for every cache type).
+
+        k_pool, v_pool: float pools or `QuantPool`s (8-bit KV), which both paths read as they are.
+        """
+        args = dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+                    context_lens=self.context_lens, block_size=block_size, scale=scale, window=window, sinks=sinks)
+        if softcap is not None:  # logit soft-capping (attention_variants)
+            args["softcap"] = softcap
+        fn = self.attention_fn
+        if fn is not None and self._kernel_may_run(fn, queries.shape[2], block_tables, block_size, window, memo):
             # The padded int32 tables once per forward, not per layer (1.5 ms a layer at 64 rows x 256 blocks).
             key = ("kernel_tables", block_size)
             if key not in memo:
                 memo[key] = padded_tables(block_tables, self.context_lens, block_size)
-            return self.attention_fn(queries, k_pool, v_pool, memo[key], self.context_lens,
-                                     block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
-        return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
-                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo, **extra)
+            use = getattr(fn, "use_kernel", None)  # KernelDispatch: checked and chosen per shape class
+            if use is None or use(args, memo[key]):
+                return fn(queries, k_pool, v_pool, memo[key], self.context_lens,
+                          **{k: v for k, v in args.items() if k not in _POSITIONAL})
+        return paged_attention(**args, memo=memo)
+
+    def _kernel_may_run(self, fn, q_len: int, block_tables, block_size: int, window, memo: dict) -> bool:
+        # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
+        # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
+        if q_len > KERNEL_MAX_Q_LEN:
+            return False
+        # One row whose blocks are a contiguous run: one slice into MLX's SDPA, no copy (mlx-lm's path,
+        # with two-pass splitting on large chips); the kernel has no KV split. Worked out once per forward.
+        if not getattr(fn, "prefers_slice", False):
+            return True
+        key = ("one_slice", block_size, window)
+        if key not in memo:
+            memo[key] = reads_one_slice(block_tables, self.context_lens, q_len, block_size, window)
+        return not memo[key]
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
