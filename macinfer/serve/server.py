@@ -41,6 +41,7 @@ from macinfer.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestBase,
+    check_known,
     check_supported,
     message_text,
 )
@@ -52,8 +53,9 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses."""
 
-    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, lenient: bool = False):
         self.llm, self.engine, self.model_name, self.metrics = llm, engine, model_name, metrics
+        self.lenient = lenient  # accept and ignore unknown request fields
         self.created = int(time.time())
 
     # -- request -> (prompt ids, params) ------------------------------------------------
@@ -119,6 +121,7 @@ class Server:
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
         self._check_model(req)
+        check_known(req, self.lenient)
         check_supported(req)
         ids = self.chat_prompt(req) if chat else self.completion_prompt(req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
@@ -224,7 +227,7 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, lenient: bool = False) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM).
 
     Args:
@@ -232,12 +235,13 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         model_name: the name clients pass as `model` (default: the model's name).
         engine: the engine to drive; default: the LLM's continuous-batching engine.
         max_body_bytes: larger request bodies (by their Content-Length) get a 413.
+        lenient: accept and ignore unknown request fields (default: a 400 naming the field).
     """
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
     aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
     metrics.attach(aengine)
-    server = Server(llm, aengine, model_name, metrics)
+    server = Server(llm, aengine, model_name, metrics, lenient=lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
