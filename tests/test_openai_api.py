@@ -61,3 +61,83 @@ def test_serve_cli_has_lenient_flag():
 
     r = CliRunner().invoke(main, ["serve", "--help"])
     assert r.exit_code == 0 and "--lenient" in r.output
+
+
+# -- logprobs and penalties -------------------------------------------------------------------
+def oracle(path, prompt_ids, n, **penalties):
+    """mlx-lm's greedy tokens and (V,) logprobs for the prompt, with its processors for `penalties`."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+    from oracle import mlx_lm_load
+
+    model, _ = mlx_lm_load(str(path))
+    procs = make_logits_processors(penalties.get("logit_bias"), penalties.get("repetition_penalty"), 20,
+                                   penalties.get("presence_penalty"), 20, penalties.get("frequency_penalty"), 20)
+    return [(int(t), lp) for t, lp in generate_step(mx.array(prompt_ids), model, max_tokens=n, logits_processors=procs)]
+
+
+def top(lp, k):
+    import mlx.core as mx
+
+    return [(i, lp[i].item()) for i in mx.argsort(-lp).tolist()[:k]]
+
+
+def test_chat_logprobs_streamed_and_whole_are_mlx_lm_log_softmax(served):
+    from oracle import mlx_lm_load
+
+    url, llm, _, path = served
+    _, tok = mlx_lm_load(str(path))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client(url).chat.completions.create(**kw)
+    want = oracle(path, tok.apply_chat_template(messages, add_generation_prompt=True), 8)
+    assert r.choices[0].model_extra["token_ids"] == [t for t, _ in want]
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want)
+    for item, (t, lp) in zip(content, want):
+        assert item.token == tok.decode([t]) and item.bytes == list(item.token.encode())
+        assert item.logprob == pytest.approx(lp[t].item(), abs=1e-4)
+        assert [(x.token, x.logprob) for x in item.top_logprobs] == [
+            (tok.decode([i]), pytest.approx(v, abs=1e-4)) for i, v in top(lp, 3)]
+    chunks = list(client(url).chat.completions.create(stream=True, **kw))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    # (the second run starts from the prefix cache: the same numbers to float rounding)
+    assert [(x.token, x.logprob, len(x.top_logprobs)) for x in streamed] == [
+        (x.token, pytest.approx(x.logprob, abs=1e-4), 3) for x in content]
+
+
+def test_completion_logprobs_in_the_legacy_shape(served):
+    from oracle import mlx_lm_load
+
+    url, llm, _, path = served
+    _, tok = mlx_lm_load(str(path))
+    prompt = "Paged attention stores"
+    r = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    want = oracle(path, tok.encode(prompt), 6)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t, _ in want]
+    assert lp.token_logprobs == pytest.approx([v[t].item() for t, v in want], abs=1e-4)
+    # (a dict: two byte pieces that both decode to U+FFFD share a key)
+    assert [list(d) for d in lp.top_logprobs] == [list(dict.fromkeys(tok.decode([i]) for i, _ in top(v, 2)))
+                                                  for _, v in want]
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_penalties_and_logit_bias_through_the_api_are_mlx_lm_processors(served):
+    from oracle import mlx_lm_load
+
+    url, llm, _, path = served
+    _, tok = mlx_lm_load(str(path))
+    prompt = "The quick brown fox"
+    pen = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4}
+    r = client(url).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=0.5, frequency_penalty=0.4,
+        logit_bias={"5": 3, "7": -100}, extra_body={"repetition_penalty": 1.3, "return_token_ids": True,
+                                                     "ignore_eos": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == [t for t, _ in oracle(path, tok.encode(prompt), 16, logit_bias={5: 3.0, 7: -100.0}, **pen)]
+    assert got != [t for t, _ in oracle(path, tok.encode(prompt), 16)]

@@ -279,10 +279,11 @@ class LLMEngine(PipelinedSteps):
             m.kv_tokens_sum += seq.num_tokens
         p = seq.params
         status = None
+        logprob, seq.pending_logprob = seq.pending_logprob, None
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
         else:
-            seq.append_token(tok)
+            seq.append_token(tok, logprob)
             if p.stop and self._truncate_at_stop(seq):
                 status = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= seq.max_tokens:
@@ -312,9 +313,10 @@ class LLMEngine(PipelinedSteps):
         new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
         if not text and not new_ids:
             return None
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_emitted_tokens:]
         seq.num_emitted_chars = max(seq.num_emitted_chars, end)
         seq.num_emitted_tokens = seq.num_output_tokens
-        return StreamDelta(seq.request_id, text, new_ids)
+        return StreamDelta(seq.request_id, text, new_ids, logprobs=logprobs)
 
     def _finish(self, seq: Sequence) -> StreamDelta:
         """The final delta of a finished sequence, with its RequestOutput."""
@@ -330,6 +332,7 @@ class LLMEngine(PipelinedSteps):
             text=seq.text,
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            logprobs=seq.logprobs,
         )
         self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
         self.requests.pop(seq.request_id, None)

@@ -53,7 +53,11 @@ class RequestBase(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None  # chat: a bool (top_logprobs says how many); completions: how many
+    # mlx-lm's and vLLM's extensions: a multiplicative penalty, and how many last tokens every penalty reads.
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
@@ -76,7 +80,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(RequestBase):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(RequestBase):
@@ -112,9 +119,6 @@ def check_supported(req: RequestBase) -> None:
     """
     checks = [
         (req.n != 1, "n", "only n=1 is supported: send one request per completion"),
-        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
-        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported (only 0)"),
-        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported (only 0)"),
         (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
     ]
