@@ -141,3 +141,29 @@ def test_penalties_and_logit_bias_through_the_api_are_mlx_lm_processors(served):
     got = r.choices[0].model_extra["token_ids"]
     assert got == [t for t, _ in oracle(path, tok.encode(prompt), 16, logit_bias={5: 3.0, 7: -100.0}, **pen)]
     assert got != [t for t, _ in oracle(path, tok.encode(prompt), 16)]
+
+
+# -- n > 1 ------------------------------------------------------------------------------------
+def test_n_choices_each_equal_a_solo_request_with_seed_plus_i(served):
+    url, llm, app, _ = served
+    c = client(url)
+    kw = dict(model=MODEL, max_tokens=10, temperature=0.9, extra_body={"return_token_ids": True, "ignore_eos": True})
+    messages = [{"role": "user", "content": "Tell me about paged attention and continuous batching."}]
+    r = c.chat.completions.create(messages=messages, n=3, seed=11, logprobs=True, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    solo = [c.chat.completions.create(messages=messages, seed=11 + i, **kw).choices[0].model_extra["token_ids"]
+            for i in range(3)]
+    assert [ch.model_extra["token_ids"] for ch in r.choices] == solo
+    assert len({tuple(s) for s in solo}) > 1
+    assert all(len(ch.logprobs.content) == 10 for ch in r.choices)
+    assert r.usage.completion_tokens == 30
+    # Streamed: the chunks of the three choices interleave; each choice's tokens are its own.
+    got = {0: [], 1: [], 2: []}
+    finish = {}
+    for ch in c.chat.completions.create(messages=messages, n=3, seed=11, stream=True, **kw):
+        for choice in ch.choices:
+            got[choice.index] += choice.model_extra.get("token_ids", [])
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert [got[i] for i in range(3)] == solo and finish == {0: "length", 1: "length", 2: "length"}
+    assert not llm.engine.requests and llm.engine.kv_stats()["used_blocks"] == 0

@@ -74,6 +74,8 @@ class Sequence:
         self.sampler = Sampler(params)
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.num_preemptions = 0
+        # n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).
+        self.fork_of: Sequence | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))
         # Text: `text` is everything decoded so far; `num_emitted_chars` how much of
         # it has been streamed (stop strings hold some back until they are ruled out).

@@ -214,8 +214,10 @@ class DenseEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense)."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    fork_of: str | None = None) -> str:
+        """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense,
+        so a fork (`fork_of`) shares nothing and runs as a request of its own)."""
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

@@ -160,7 +160,8 @@ class LLMEngine(PipelinedSteps):
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    fork_of: str | None = None) -> str:
         """Queue a request.
 
         Args:
@@ -168,6 +169,8 @@ class LLMEngine(PipelinedSteps):
             params: sampling parameters (default: greedy, 256 tokens).
             request_id: unique id, or None to draw one.
             arrival_time: perf_counter() stamp for metrics (default: now).
+            fork_of: the id of an unfinished request with the same prompt (n > 1 samples):
+                this one shares its prompt's KV blocks (macinfer.core.scheduler, forks).
 
         Returns:
             The request id.
@@ -182,6 +185,9 @@ class LLMEngine(PipelinedSteps):
             raise MacinferError(
                 f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
                 f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
+            seq.fork_of = parent
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id

@@ -29,6 +29,9 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+MAX_N = 16  # choices per request at most (each is a sequence of its own)
+
+
 # -- request schemas ----------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -118,7 +121,7 @@ def check_supported(req: RequestBase) -> None:
         APIError: 400 naming the first such field.
     """
     checks = [
-        (req.n != 1, "n", "only n=1 is supported: send one request per completion"),
+        (not 1 <= req.n <= MAX_N, "n", f"n must be from 1 to {MAX_N}"),
         (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
     ]

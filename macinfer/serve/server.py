@@ -126,12 +126,14 @@ class Server:
                 "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
 
     def _start(self, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
-        """The engine requests of a response: one per choice, choice i seeded seed + i."""
+        """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
+        seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
         streams = []
         for i in range(n):
             p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
                                                           (params.seed + i) % 2**64)
-            streams.append(self.engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}"))
+            streams.append(self.engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
+                                                fork_of=rid if i else None))
         return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
