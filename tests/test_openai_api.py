@@ -1,6 +1,8 @@
 """The OpenAI API surface clients expect from `macinfer serve`: unknown fields, logprobs,
 penalties and logit_bias, n > 1, tool calls; each checked against mlx-lm or a solo run."""
 
+import json
+
 import httpx2 as httpx
 import openai
 import pytest
@@ -167,3 +169,81 @@ def test_n_choices_each_equal_a_solo_request_with_seed_plus_i(served):
                 finish[choice.index] = choice.finish_reason
     assert [got[i] for i in range(3)] == solo and finish == {0: "length", 1: "length", 2: "length"}
     assert not llm.engine.requests and llm.engine.kv_stats()["used_blocks"] == 0
+
+
+# -- tool calls -------------------------------------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tool_served(tiny_models):
+    """A tiny model whose chat template has tool calling and whose vocabulary holds CALL as one token."""
+    path = tiny_models("llama", tool_call=CALL)
+    llm = LLM(str(path), num_blocks=65)
+    with serve_in_thread(create_app(llm, model_name=MODEL)) as url:
+        yield url, llm, path
+
+
+def forced_call(llm):
+    """Greedy output forced to CALL then EOS: CALL is biased up, EOS a little less; once CALL is the
+    last token, a repetition penalty over the last token halves its logit, and EOS wins."""
+    call = llm.tokenizer.convert_tokens_to_ids(CALL)
+    (eos,) = llm.tokenizer.eos_token_ids
+    return dict(temperature=0, max_tokens=4, logit_bias={str(call): 100, str(eos): 95},
+                extra_body={"repetition_penalty": 2.0, "repetition_context_size": 1})
+
+
+def test_tool_call_round_trip_with_the_openai_sdk(tool_served):
+    from oracle import mlx_lm_load
+
+    url, llm, path = tool_served
+    c = client(url)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, **forced_call(llm))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
+    # The result goes back: the assistant's call (arguments as JSON text) and the tool's answer,
+    # rendered by the chat template with the arguments as an object.
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=3, temperature=0)
+    assert r2.choices[0].finish_reason in ("length", "stop")
+    _, tok = mlx_lm_load(str(path))
+    rendered = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        messages[2]]
+    assert r2.usage.prompt_tokens == len(tok.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True))
+
+
+def test_tool_calls_stream_as_deltas(tool_served):
+    url, llm, _ = tool_served
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    stream = client(url).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
+                                                 **forced_call(llm))
+    calls, content, finish = [], "", None
+    for ch in stream:
+        d = ch.choices[0].delta
+        content += d.content or ""
+        calls += d.tool_calls or []
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    (call,) = calls
+    assert call.index == 0 and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tools_without_tool_calling_or_with_a_forced_choice_are_400(served, tool_served):
+    body = {**CHAT, "tools": TOOLS}
+    r = httpx.post(served[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = httpx.post(tool_served[0] + "/v1/chat/completions", json={**body, "tool_choice": "required"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    # tool_choice "none": the tools are not rendered and nothing is parsed
+    r = httpx.post(tool_served[0] + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]

@@ -122,7 +122,6 @@ def check_supported(req: RequestBase) -> None:
     """
     checks = [
         (not 1 <= req.n <= MAX_N, "n", f"n must be from 1 to {MAX_N}"),
-        (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
     ]
     for bad, param, msg in checks:
