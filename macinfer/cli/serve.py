@@ -32,8 +32,10 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
     "stream": true), GET /v1/models, /health, /metrics (Prometheus). Concurrent
     clients are batched by the engine; a client that disconnects aborts its request.
-    Sampling defaults are OpenAI's (temperature 1); vLLM's extensions top_k, min_p,
-    ignore_eos and return_token_ids are accepted too.
+    Sampling defaults are OpenAI's (temperature 1). Also: logprobs, penalties,
+    logit_bias, n > 1 (sharing the prompt's KV), tools; vLLM's top_k, min_p,
+    ignore_eos, return_token_ids; mlx-lm's repetition_penalty. An unknown field
+    is a 400 naming it, unless --lenient.
 
     \b
     Examples:
