@@ -247,3 +247,8 @@ def test_tools_without_tool_calling_or_with_a_forced_choice_are_400(served, tool
     # tool_choice "none": the tools are not rendered and nothing is parsed
     r = httpx.post(tool_served[0] + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
     assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_400(served):
+    r = httpx.post(served[0] + "/v1/chat/completions", json={**CHAT, "logit_bias": {"100000": 5}}, timeout=30)
+    assert r.status_code == 400 and "logit_bias names token 100000" in r.json()["error"]["message"]

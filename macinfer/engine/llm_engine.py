@@ -202,6 +202,10 @@ class LLMEngine(PipelinedSteps):
         if len(ids) >= self.max_model_len:
             raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
                                 f"{self.max_model_len}: shorten it")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab and any(t >= vocab for t in params.logit_bias):  # an index past the logits: refused
+            raise MacinferError(f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
+                                f"has {vocab} tokens (ids 0 to {vocab - 1})")
         request_id = request_id or uuid.uuid4().hex[:12]
         if request_id in self.requests:
             raise MacinferError(f"request id {request_id!r} is already in use")
