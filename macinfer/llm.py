@@ -58,10 +58,11 @@ class LLM:
             raise MacinferError("the prompt is empty: give some text to complete")
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids: messages (and tools, OpenAI's function schemas) through the chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise MacinferError("this model has no chat template: send raw text instead")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
 
     # -- generation ------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:

@@ -119,6 +119,7 @@ def test_seeded_sampling_is_reproducible(tiny_models):
         (["{tiny}", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--max-tokens", "0"], "max_tokens must be"),
+        (["{tiny}", "hi", "--repetition-penalty", "0"], "repetition_penalty must be a number > 0"),
         (["{tiny}", "word " * 600], "holds at most 512"),
         (["{nocfg}", "hi"], "no config.json"),
         (["{noweights}", "hi"], "no *.safetensors"),

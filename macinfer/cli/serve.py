@@ -20,18 +20,22 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most.")
 @click.option("--dequantize/--keep-quantized", default=None,
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
+@click.option("--lenient", is_flag=True,
+              help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
 @engine_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
-def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level, engine):
+def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, lenient, log_level, engine):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
     "stream": true), GET /v1/models, /health, /metrics (Prometheus). Concurrent
     clients are batched by the engine; a client that disconnects aborts its request.
-    Sampling defaults are OpenAI's (temperature 1); vLLM's extensions top_k, min_p,
-    ignore_eos and return_token_ids are accepted too.
+    Sampling defaults are OpenAI's (temperature 1). Also: logprobs, penalties,
+    logit_bias, n > 1 (sharing the prompt's KV), tools; vLLM's top_k, min_p,
+    ignore_eos, return_token_ids; mlx-lm's repetition_penalty. An unknown field
+    is a 400 naming it, unless --lenient.
 
     \b
     Examples:
@@ -51,6 +55,6 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
         click.echo(engine.describe(), err=True)
     import uvicorn
 
-    app = create_app(llm, api_key=api_key, model_name=served_model_name)
+    app = create_app(llm, api_key=api_key, model_name=served_model_name, lenient=lenient)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -15,7 +15,8 @@ are evaluated one after the other (see the NOTE in execute_model).
 
 Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
 a seeded request draws the same tokens whatever else is in the batch. Greedy
-rows share one argmax.
+rows share one argmax, except `per_row` ones (penalties, logit_bias, logprobs:
+`sample_row`), which never carry drafts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
 from macinfer.core.lm_head import split_head
+from macinfer.core.logprobs import LogprobRows
 from macinfer.core.scheduler import ScheduledSequence
 
 
@@ -73,6 +75,7 @@ class ModelRunner:
         self.hidden_sink = None
         self._body = self._head = None
         self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
+        self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
         # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         self.verifier = None
@@ -94,6 +97,23 @@ class ModelRunner:
     def _take_hidden(self) -> list[mx.array]:
         out, self._hidden_out = self._hidden_out, []
         return out
+
+    def sample_row(self, seq, logits: mx.array, history: mx.array | None = None,
+                   into: LogprobRows | None = None) -> mx.array:
+        """A per_row sequence's next token (1,) from its logits (1, V), lazily.
+
+        Args:
+            history: the sequence's token ids so far (default: seq.token_ids), what penalties read.
+            into: where the token's logprobs go, if the request asked (default: this step's rows).
+        """
+        sampler = seq.sampler
+        if history is None and sampler.processors:
+            history = mx.array(seq.token_ids, dtype=mx.int32)
+        logprobs = sampler.logprobs(logits, history)
+        token = sampler.pick(logprobs)
+        if seq.params.logprobs is not None:
+            (self.logprob_rows if into is None else into).add(seq, logprobs, token)
+        return token
 
     @property
     def kv_bytes(self) -> int:
@@ -166,14 +186,15 @@ class ModelRunner:
         c.memo = {}
         return L
 
-    def launch_decode(self, seqs: list, tokens: mx.array) -> mx.array:
+    def launch_decode(self, seqs: list, tokens: mx.array) -> tuple[mx.array, LogprobRows]:
         """Async scheduling: queue one decode row per sequence without waiting for anything.
 
         Each seq computes the token at position seq.num_computed_tokens (its slot is
         allocated); `tokens` (B,) are the input ids, usually the previous step's sampled
         ids, still lazy. The graph is built now and handed to mx.async_eval, so the host
         can resolve the previous step (and build the next one) while this one computes,
-        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,).
+        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,) and the rows'
+        logprobs (delivered when the ids are read back).
         """
         starts = [s.num_computed_tokens for s in seqs]
         self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs))
@@ -183,14 +204,39 @@ class ModelRunner:
             logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
         else:
             logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
-        if all(s.sampler.params.greedy for s in seqs):
+        logprob_rows = LogprobRows()
+        if all(s.sampler.params.greedy and not s.sampler.per_row for s in seqs):
             sampled = mx.argmax(logits, axis=-1)
         else:
-            sampled = mx.concatenate([mx.argmax(logits[j: j + 1], axis=-1) if s.sampler.params.greedy
-                                      else s.sampler(logits[j: j + 1]) for j, s in enumerate(seqs)])
+            sampled = mx.concatenate([self._launch_row(s, logits[j: j + 1], tokens[j: j + 1], logprob_rows)
+                                      for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
-        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden())
-        return sampled
+        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden(), logprob_rows.arrays())
+        return sampled, logprob_rows
+
+    def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:
+        """One row of a launched decode: (1, V) logits -> (1,) token; `token` is its input id."""
+        sampler = seq.sampler
+        if not sampler.per_row:
+            return mx.argmax(logits, axis=-1) if sampler.params.greedy else sampler(logits)
+        history = None
+        if sampler.processors:
+            history = mx.array(seq.token_ids, dtype=mx.int32)
+            if len(seq.token_ids) == seq.num_computed_tokens:  # the input id is the step in flight's, lazy
+                history = mx.concatenate([history, token.astype(mx.int32)])
+        return self.sample_row(seq, logits, history, into=logprob_rows)
+
+    def _verify(self, group: list[int], rows: list[ScheduledSequence], pending: list) -> list:
+        """A forward holding drafts: the verifier's rows, and per_row rows (no drafts) sampled into pending."""
+        logits = self.forward(rows, all_logits=True)  # (B, L, V)
+        own = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.per_row]
+        if not own:
+            return self.verifier(group, rows, logits)
+        for j in own:
+            assert not rows[j].num_spec_tokens, rows[j]  # per_row requests never draft
+            pending.append(([group[j]], self.sample_row(rows[j].seq, logits[j, rows[j].num_new_tokens - 1][None])))
+        rest = [j for j in range(len(rows)) if j not in own]
+        return self.verifier([group[j] for j in rest], [rows[j] for j in rest], logits[mx.array(rest)])
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
         """Rows per forward: all 1-token rows together; chunks batched while padding stays small.
@@ -231,28 +277,34 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                new = self.verifier(group, rows, self.forward(rows, all_logits=True))
+                new = self._verify(group, rows, pending)
                 verified += new
-                mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
+                mx.eval([v for _, v in verified] + [ids for _, ids in pending] + [c.state for c in self.caches]
+                        + self._take_hidden() + self.logprob_rows.arrays())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
                     from macinfer.core.state_pool import refeed_rejected
 
                     refeed_rejected(self, rows, new, group)
                 continue
             logits = self.forward(rows)  # (B, V)
-            greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
+            greedy = [j for j, r in enumerate(rows)
+                      if r.samples and r.seq.sampler.params.greedy and not r.seq.sampler.per_row]
             if greedy:
                 picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]
                 pending.append(([group[j] for j in greedy], mx.argmax(picked, axis=-1)))
             for j, r in enumerate(rows):
-                if r.samples and not r.seq.sampler.params.greedy:
+                if r.samples and r.seq.sampler.per_row:
+                    pending.append(([group[j]], self.sample_row(r.seq, logits[j: j + 1])))
+                elif r.samples and not r.seq.sampler.params.greedy:
                     pending.append(([group[j]], r.seq.sampler(logits[j: j + 1])))
             # NOTE: evaluate each forward (pools included: a mid-prefill chunk samples
             # nothing, yet its K/V writes must happen) before building the next. The
             # pools are updated in place only while no other array shares their
             # buffer; a later forward chained onto this one's lazy pool views would
             # copy every pool instead (measured: seconds per step on a 256 MB pool).
-            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden())
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden()
+                    + self.logprob_rows.arrays())
+        self.logprob_rows.deliver()
         out: list[int | None] = [None] * len(scheduled)
         for idx, ids in pending:
             for i, t in zip(idx, ids.tolist()):

@@ -160,7 +160,8 @@ class LLMEngine(PipelinedSteps):
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    fork_of: str | None = None) -> str:
         """Queue a request.
 
         Args:
@@ -168,6 +169,8 @@ class LLMEngine(PipelinedSteps):
             params: sampling parameters (default: greedy, 256 tokens).
             request_id: unique id, or None to draw one.
             arrival_time: perf_counter() stamp for metrics (default: now).
+            fork_of: the id of an unfinished request with the same prompt (n > 1 samples):
+                this one shares its prompt's KV blocks (macinfer.core.scheduler, forks).
 
         Returns:
             The request id.
@@ -182,6 +185,9 @@ class LLMEngine(PipelinedSteps):
             raise MacinferError(
                 f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
                 f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
+            seq.fork_of = parent
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -196,6 +202,10 @@ class LLMEngine(PipelinedSteps):
         if len(ids) >= self.max_model_len:
             raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
                                 f"{self.max_model_len}: shorten it")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab and any(t >= vocab for t in params.logit_bias):  # an index past the logits: refused
+            raise MacinferError(f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
+                                f"has {vocab} tokens (ids 0 to {vocab - 1})")
         request_id = request_id or uuid.uuid4().hex[:12]
         if request_id in self.requests:
             raise MacinferError(f"request id {request_id!r} is already in use")
@@ -279,10 +289,11 @@ class LLMEngine(PipelinedSteps):
             m.kv_tokens_sum += seq.num_tokens
         p = seq.params
         status = None
+        logprob, seq.pending_logprob = seq.pending_logprob, None
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
         else:
-            seq.append_token(tok)
+            seq.append_token(tok, logprob)
             if p.stop and self._truncate_at_stop(seq):
                 status = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= seq.max_tokens:
@@ -312,9 +323,10 @@ class LLMEngine(PipelinedSteps):
         new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
         if not text and not new_ids:
             return None
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_emitted_tokens:]
         seq.num_emitted_chars = max(seq.num_emitted_chars, end)
         seq.num_emitted_tokens = seq.num_output_tokens
-        return StreamDelta(seq.request_id, text, new_ids)
+        return StreamDelta(seq.request_id, text, new_ids, logprobs=logprobs)
 
     def _finish(self, seq: Sequence) -> StreamDelta:
         """The final delta of a finished sequence, with its RequestOutput."""
@@ -330,6 +342,7 @@ class LLMEngine(PipelinedSteps):
             text=seq.text,
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            logprobs=seq.logprobs,
         )
         self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
         self.requests.pop(seq.request_id, None)

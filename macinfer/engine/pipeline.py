@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from macinfer.core.logprobs import LogprobRows
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sequence import Sequence
 
@@ -30,6 +31,7 @@ class InFlight:
 
     seqs: list[Sequence]
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
+    logprob_rows: LogprobRows  # the rows' logprobs (those that asked), delivered with the ids
 
 
 class PipelinedSteps:
@@ -103,17 +105,19 @@ class PipelinedSteps:
             assert ok, s  # _decode_rows counted the free blocks
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        sampled = self.runner.launch_decode(rows, tokens)
+        sampled, logprob_rows = self.runner.launch_decode(rows, tokens)
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
         if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
             self.scheduler.take_snapshots(rows, lazy=True)
-        return InFlight(rows, sampled)
+        return InFlight(rows, sampled, logprob_rows)
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
         """Read a launched step's tokens back and process them like a synchronous step."""
         deltas = []
-        for seq, tok in zip(step.seqs, step.tokens.tolist()):
+        tokens = step.tokens.tolist()
+        step.logprob_rows.deliver()
+        for seq, tok in zip(step.seqs, tokens):
             if seq.is_finished:  # stopped a step earlier, or aborted: the row is dropped
                 continue
             delta = self._process_token(seq, tok)

@@ -1,9 +1,11 @@
 """The OpenAI API's request bodies as pydantic models, the checks on them, and its error body.
 
-What the server (macinfer.serve.server) accepts: unknown fields are allowed and ignored,
-as OpenAI's SDK sends new ones; fields that would change the output and that macinfer
-cannot honour are refused by `check_supported`. vLLM's extensions (top_k, min_p,
-ignore_eos, return_token_ids) are fields like any other.
+What the server (macinfer.serve.server) accepts: the fields declared here. An unknown
+field is refused with a 400 naming it (`check_known`), since a silently ignored field
+(a misspelt `max_token`, a penalty we lacked) changes the output behind the client's
+back; `macinfer serve --lenient` accepts and ignores them instead. Fields that would
+change the output and that macinfer cannot honour are refused by `check_supported`.
+vLLM's extensions (top_k, min_p, ignore_eos, return_token_ids) are fields like any other.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+MAX_N = 16  # choices per request at most (each is a sequence of its own)
+
+
 # -- request schemas ----------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class RequestBase(BaseModel):
-    """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI's SDK
-    sends new ones; fields we cannot honour are rejected by `check_supported`."""
+    """Fields both endpoints share. Unknown fields are kept in `model_extra` for `check_known`;
+    fields we cannot honour are rejected by `check_supported`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -51,10 +56,21 @@ class RequestBase(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None  # chat: a bool (top_logprobs says how many); completions: how many
+    # mlx-lm's and vLLM's extensions: a multiplicative penalty, and how many last tokens every penalty reads.
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
+    # Accepted, and they change nothing here (OpenAI's bookkeeping).
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Structured output: declared so it is not an unknown field; its enforcement is
+    # wired by the structured-output code, which reads it from here untouched.
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -67,13 +83,32 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(RequestBase):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(RequestBase):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
+
+
+def check_known(req: RequestBase, lenient: bool = False) -> None:
+    """Refuse a top-level field this server does not know (nested objects keep theirs).
+
+    Args:
+        req: a validated request.
+        lenient: accept and ignore unknown fields instead (`macinfer serve --lenient`).
+
+    Raises:
+        APIError: 400 naming the first unknown field (alphabetically), code "unknown_parameter".
+    """
+    unknown = sorted(req.model_extra or {})
+    if unknown and not lenient:
+        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]} (start the server with "
+                            "--lenient to ignore unknown fields)", unknown[0], "unknown_parameter")
 
 
 def check_supported(req: RequestBase) -> None:
@@ -86,11 +121,7 @@ def check_supported(req: RequestBase) -> None:
         APIError: 400 naming the first such field.
     """
     checks = [
-        (req.n != 1, "n", "only n=1 is supported: send one request per completion"),
-        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
-        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported (only 0)"),
-        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported (only 0)"),
-        (bool(getattr(req, "tools", None)), "tools", "tools are not supported by this server"),
+        (not 1 <= req.n <= MAX_N, "n", f"n must be from 1 to {MAX_N}"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),
     ]
     for bad, param, msg in checks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
+from macinfer.serve.choices import Choice
 from macinfer.errors import MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
@@ -41,9 +43,11 @@ from macinfer.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestBase,
+    check_known,
     check_supported,
     message_text,
 )
+from macinfer.serve.tools import request_tools, template_messages
 
 log = logging.getLogger("macinfer.serve.server")
 
@@ -52,8 +56,9 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses."""
 
-    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, lenient: bool = False):
         self.llm, self.engine, self.model_name, self.metrics = llm, engine, model_name, metrics
+        self.lenient = lenient  # accept and ignore unknown request fields
         self.created = int(time.time())
 
     # -- request -> (prompt ids, params) ------------------------------------------------
@@ -62,12 +67,11 @@ class Server:
             raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{self.model_name}'",
                            "model", "model_not_found")
 
-    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None) -> SamplingParams:
+    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool) -> SamplingParams:
         ctx = self.llm.info.context_length
         if num_prompt >= ctx:
             raise APIError(400, f"the prompt is {num_prompt} tokens but {self.model_name} holds at most {ctx}: "
-                                "shorten it", "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           "context_length_exceeded")
+                                "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
@@ -75,20 +79,26 @@ class Server:
                 seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
                 # None: as much as the context allows. Beyond the context, the engine stops with "length".
                 max_tokens=ctx - num_prompt if max_tokens is None else max_tokens,
+                logprobs=_logprobs(req, chat), presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                repetition_context_size=req.repetition_context_size, logit_bias=_logit_bias(req.logit_bias),
             )
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
         messages = []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": message_text(m, i)})
+            # Extra fields (tool_calls, tool_call_id, name) go to the template as they came.
+            messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
+        if any(m.get("tool_calls") for m in messages):
+            messages = template_messages(messages)
         try:
-            return self.llm.apply_chat_template(messages)
+            return self.llm.apply_chat_template(messages, tools=tools)
         except MacinferError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # jinja's TemplateError, raise_exception() in templates
@@ -108,94 +118,160 @@ class Server:
             raise APIError(400, str(e), "prompt") from None
 
     # -- responses -----------------------------------------------------------------------
-    def _usage(self, out) -> dict:
-        m = out.metrics
-        return {
-            "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(out.token_ids),
-            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
-            "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-        }
+    @staticmethod
+    def _usage(outs: list) -> dict:
+        """Usage of a response: the prompt once, the completion tokens of every choice."""
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
+
+    def _start(self, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
+        """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
+        seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
+        streams = []
+        for i in range(n):
+            p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
+                                                          (params.seed + i) % 2**64)
+            streams.append(self.engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
+                                                fork_of=rid if i else None))
+        return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
         self._check_model(req)
+        check_known(req, self.lenient)
         check_supported(req)
-        ids = self.chat_prompt(req) if chat else self.completion_prompt(req)
+        tools = request_tools(req.tools, req.tool_choice, self.llm.tokenizer) if chat else None
+        ids = self.chat_prompt(req, tools) if chat else self.completion_prompt(req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), max_tokens)
+        params = self._params(req, len(ids), max_tokens, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        deltas = self.engine.generate(ids, params, request_id=rid)
+        choices = [Choice(i, chat, self.llm.tokenizer, params.logprobs is not None, req.return_token_ids,
+                          tools, req.stream) for i in range(req.n)]
+        streams = self._start(ids, params, rid, req.n)
         try:
-            # Wait for the engine to accept it (and for the first token) before committing to a 200.
-            first = await _next_or_disconnect(deltas, http)
+            # Wait for the engine to accept them (and for a first token) before committing to a 200.
+            firsts = [await _next_or_disconnect(s, http) for s in streams]
         except EngineDeadError as e:
+            await _close(streams)
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
         except (MacinferError, ValueError) as e:
+            await _close(streams)
             raise APIError(400, str(e), None, "invalid_request") from None
-        if first is None:  # the client left during the prefill
+        if any(f is None for f in firsts):  # the client left during the prefill
+            await _close(streams)
             return PlainTextResponse("", status_code=499)
         kind = "chat.completion" if chat else "text_completion"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(first, deltas, rid, kind, chat, include_usage, req.return_token_ids)
+            body = self._sse(_merged(firsts, streams), streams, choices, rid, kind, include_usage)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, d = [first.text], first
-        while d.finish_reason is None:
-            d = await _next_or_disconnect(deltas, http)
-            if d is None:
-                return PlainTextResponse("", status_code=499)
-            text.append(d.text)
-        out = d.output
-        self.metrics.observe_request(out, "chat" if chat else "completions")
-        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if req.return_token_ids:
-            choice["token_ids"] = list(out.token_ids)
+        for choice, first, stream in zip(choices, firsts, streams):
+            d = first
+            choice.add(d)
+            while d.finish_reason is None:
+                d = await _next_or_disconnect(stream, http)
+                if d is None:
+                    await _close(streams)
+                    return PlainTextResponse("", status_code=499)
+                choice.add(d)
+        outs = [c.output for c in choices]
+        for out in outs:
+            self.metrics.observe_request(out, "chat" if chat else "completions")
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": self._usage(out)}
+                "choices": [c.final() for c in choices], "usage": self._usage(outs)}
 
-    async def _sse(self, first, deltas, rid, kind, chat, include_usage, token_ids) -> AsyncIterator[str]:
+    async def _sse(self, deltas, streams, choices, rid, kind, include_usage) -> AsyncIterator[str]:
         created = int(time.time())
+        chat = kind == "chat.completion"
         obj = kind + ".chunk" if chat else kind
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, ids: list[int] | None = None) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if token_ids and ids is not None:
-                choice["token_ids"] = ids
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+        def chunk(choice_objs: list[dict], usage: dict | None = None) -> str:
+            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_objs}
             if include_usage:
-                c["usage"] = None
+                c["usage"] = usage
             return f"data: {json.dumps(c)}\n\n"
 
         try:
             if chat:
-                yield chunk("", None, role=True)
-            d = first
-            while True:
-                if d.finish_reason is not None:
-                    break
-                if d.text or (token_ids and d.token_ids):
-                    yield chunk(d.text, None, ids=d.token_ids)
-                d = await deltas.__anext__()
-            out = d.output
-            # The last delta may still carry text (a flushed tail) along with the finish reason.
-            yield chunk(d.text or (None if chat else ""), out.finish_reason, ids=d.token_ids)
+                for c in choices:
+                    yield chunk([c.first_chunk()])
+            async for i, d in deltas:
+                body = choices[i].add(d)
+                if body is not None:
+                    yield chunk([body])
+            outs = [c.output for c in choices]
             if include_usage:
-                usage = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [], "usage": self._usage(out)}
-                yield f"data: {json.dumps(usage)}\n\n"
+                yield chunk([], self._usage(outs))
             yield "data: [DONE]\n\n"
-            self.metrics.observe_request(out, "chat" if chat else "completions")
+            for out in outs:
+                self.metrics.observe_request(out, "chat" if chat else "completions")
         finally:
-            await deltas.aclose()  # aborts the request if it is still running (client left)
+            await deltas.aclose()
+            await _close(streams)  # aborts the requests still running (client left)
+
+
+def _logprobs(req: RequestBase, chat: bool) -> int | None:
+    """How many top alternatives to report with each token's logprob; None: no logprobs."""
+    if not chat:
+        return None if req.logprobs is None or req.logprobs is False else int(req.logprobs)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias",
+                       "invalid_value") from None
+
+
+async def _merged(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, delta) from every stream as they come; each stream's first delta is in hand.
+
+    NOTE: each stream is read by its own task; cancelling a task aborts its request (the
+    stream's generator sees the cancellation), so closing this iterator frees every request.
+    """
+    if len(streams) == 1:  # the common case, without tasks
+        d = firsts[0]
+        yield 0, d
+        while d.finish_reason is None:
+            d = await streams[0].__anext__()
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, d, stream):
+        try:
+            await queue.put((i, d))
+            while d.finish_reason is None:
+                d = await stream.__anext__()
+                await queue.put((i, d))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+    try:
+        left = len(streams)
+        while left:
+            i, d = await queue.get()
+            if isinstance(d, Exception):
+                raise d
+            left -= d.finish_reason is not None
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def _close(streams: list) -> None:
+    for s in streams:
+        await s.aclose()
 
 
 async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
@@ -224,7 +300,7 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, lenient: bool = False) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM).
 
     Args:
@@ -232,12 +308,13 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         model_name: the name clients pass as `model` (default: the model's name).
         engine: the engine to drive; default: the LLM's continuous-batching engine.
         max_body_bytes: larger request bodies (by their Content-Length) get a 413.
+        lenient: accept and ignore unknown request fields (default: a 400 naming the field).
     """
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
     aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
     metrics.attach(aengine)
-    server = Server(llm, aengine, model_name, metrics)
+    server = Server(llm, aengine, model_name, metrics, lenient=lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
