@@ -88,12 +88,24 @@ MISTRAL4 = {  # llama-4 query scaling from position 16 on, so per-row positions 
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
                         "original_max_position_embeddings": 16},
 }
+# Chunked local attention in 3 layers of 4 (chunks of 6 tokens: they end mid-block at block_size 4), a
+# NoPE global layer whose query scaling grows every 8 positions (floor_scale 8: it bites at these lengths).
+LLAMA4 = {
+    "model_type": "llama4",
+    "text_config": {
+        "model_type": "llama4", "attention_bias": False, "attention_chunk_size": 6, "head_dim": 16, "hidden_size": 64,
+        "interleave_moe_layer_step": 2, "intermediate_size": 64, "intermediate_size_mlp": 128,
+        "max_position_embeddings": 1000, "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 4,
+        "num_key_value_heads": 2, "num_local_experts": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000,
+        "use_qk_norm": True, "rope_scaling": None, "floor_scale": 8, "attn_scale": 0.5,
+    },
+}
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
-            "mistral4": (MISTRAL4, 0.3, 0.0)}
+            "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -129,7 +141,7 @@ def family(tmp_path_factory):
     built = {}
 
     def get(name, **overrides):
-        key = (name, tuple(sorted(overrides.items())))
+        key = (name, json.dumps(overrides, sort_keys=True))
         if key not in built:
             config, std, norm_std = FAMILIES[name]
             config = {**config, **overrides}
@@ -169,7 +181,7 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
     assert got == want
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3", "llama4"])
 def test_prefix_cache_hit_matches_mlx_lm(family, name):
     """A later prompt sharing 30 tokens starts from cached blocks (shared views and latents read them)."""
     model, tok = family(name)
@@ -190,6 +202,21 @@ def test_gemma2_softcap_is_what_decides(family):
     prompts = prompts_for("gemma2")
     assert any(oracle(model, p, 16)[0] != oracle(loose, p, 16)[0] for p in prompts)
     assert [s.window for s in inspect_model(model, "gemma2")] == [None, None]  # mlx-lm's gemma2: no window
+
+
+def test_llama4_chunks_and_query_scaling_are_what_decide(family):
+    """Chunks wider than any prompt, or query scaling that starts past it, change the tokens: both are tested above."""
+    model, tok = family("llama4")
+    text = LLAMA4["text_config"]
+    unchunked, _ = family("llama4", text_config={**text, "attention_chunk_size": 1000})
+    unscaled, _ = family("llama4", text_config={**text, "floor_scale": 8192})
+    prompts = prompts_for("llama4")
+    want = [oracle(model, p, 16)[0] for p in prompts]
+    assert want != [oracle(unchunked, p, 16)[0] for p in prompts]
+    assert want != [oracle(unscaled, p, 16)[0] for p in prompts]
+    # Layers 0-2 attend within chunks of 6, layer 3 (NoPE) globally; every row decodes in one forward.
+    assert [(s.window, s.chunk) for s in inspect_model(model, "llama4")] == [(None, 6)] * 3 + [(None, None)]
+    assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
 
 
 @pytest.mark.parametrize("name", ["gemma3n", "gemma4_text"])

@@ -24,11 +24,12 @@ import numpy as np
 import pytest
 
 from macinfer.kv import metal_attention as ma
+from macinfer.kv.paged_attention import paged_attention
 from macinfer.errors import MacinferError
 
 
 def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None,
-                softcap=None):
+                softcap=None, chunk=None):
     """Oracle: gather each row's slots (head-major pools) to contiguous K/V, then MLX's SDPA
     (soft-capped scores: by hand, tests/test_attention_variants.py checks that one)."""
     B, H, QL, D = queries.shape
@@ -43,6 +44,8 @@ def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_si
         mask = key <= pos
         if window:
             mask = mask & (key > pos - window)
+        if chunk:  # llama4: its own chunk only
+            mask = mask & (key >= pos // chunk * chunk)
         if softcap is not None:
             from macinfer.kv.paged_attention import softcapped_attention
 
@@ -102,6 +105,23 @@ def test_reference_windows(window):
         window, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
         block_size=8, window=window))
     assert_close(ma.paged_attention_online(**args, n_partitions=2), gather_sdpa(**args))
+
+
+@pytest.mark.parametrize("chunk,window", [(1, None), (5, None), (8, None), (13, None), (1000, None), (6, 4)])
+def test_reference_chunks(chunk, window):
+    """Chunked attention (llama4): chunks that end mid-block and on block ends; with a window inside them too."""
+    args = ma.random_problem(chunk, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
+                             block_size=8, chunk=chunk, window=window)
+    want = gather_sdpa(**args)
+    assert_close(ma.paged_attention_online(**poison_unused_slots(dict(args)), n_partitions=2), want)
+    assert_close(paged_attention(**args), want)  # the engine's path (its pools hold no NaN: zeros, stale K/V)
+    # The same rows as single rows (one-row path: only the chunk's blocks are read).
+    for b, C in enumerate(args["context_lens"]):
+        one = {**args, "queries": args["queries"][b: b + 1], "block_tables": args["block_tables"][b: b + 1],
+               "context_lens": [C]}
+        assert_close(paged_attention(**one), want[b: b + 1])
+    if chunk < 40:
+        assert not np.allclose(np.array(want), np.array(gather_sdpa(**{**args, "chunk": None})), atol=1e-3)
 
 
 @pytest.mark.parametrize("context_lens", [[1], [9], [64], [3, 200, 17, 8, 33, 1]])
@@ -165,7 +185,7 @@ def test_launch_config():
     launch = ma.kernel_launch(**args)
     assert launch["grid"] == (1024, 18, 2) and launch["threadgroup"] == (1024, 1, 1)
     assert launch["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("NSG", 32)]
-    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32, mx.float32]
+    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32, mx.float32, mx.int32]
     assert ma.default_simdgroups(128) == 32 and ma.default_simdgroups(256) == 16
 
 
@@ -320,7 +340,8 @@ extern "C" int run_{key}(void** in, int** shape, void* out, int groups_y, int gr
 
 
 WINDOW_BUG = ma.METAL_SOURCE.replace("p - W + 1", "p - W")  # an off-by-one the self-check must catch
-assert WINDOW_BUG != ma.METAL_SOURCE
+CHUNK_BUG = ma.METAL_SOURCE.replace("(p / CH) * CH", "(p / CH) * CH + 1")  # a chunk's first key lost
+assert WINDOW_BUG != ma.METAL_SOURCE != CHUNK_BUG
 # What the emulator is built for: key -> (source, dtype, head_dim, block_size, n_simdgroups).
 CONFIGS = {
     "f32_d32_b8_n3": (ma.METAL_SOURCE, mx.float32, 32, 8, 3),
@@ -330,6 +351,7 @@ CONFIGS = {
     "f16_d64_b16_n32": (ma.METAL_SOURCE, mx.float16, 64, 16, 32),
     "bf16_d64_b16_n32": (ma.METAL_SOURCE, mx.bfloat16, 64, 16, 32),
     "bug_d64_b16_n32": (WINDOW_BUG, mx.float32, 64, 16, 32),
+    "chunkbug_d64_b16_n32": (CHUNK_BUG, mx.float32, 64, 16, 32),
 }
 
 
@@ -377,11 +399,13 @@ def emulator(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n_simdgroups,block_size,head_dim", [(3, 8, 32), (1, 16, 32), (2, 32, 40)])
-@pytest.mark.parametrize("q_len,gqa,window", [(1, 1, None), (3, 3, None), (2, 4, 11), (4, 2, 40)])
-def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window):
+@pytest.mark.parametrize("q_len,gqa,window,chunk", [(1, 1, None, None), (3, 3, None, None), (2, 4, 11, None),
+                                                    (4, 2, 40, None), (3, 2, None, 13), (1, 1, None, 16)])
+def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window,
+                                                    chunk):
     args = ma.random_problem(
         q_len * 7 + gqa, context_lens=lengths(block_size, q_len), q_len=q_len, n_heads=2 * gqa,
-        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window)
+        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window, chunk=chunk)
     args = poison_unused_slots(args)
     got = emulator(args, n_simdgroups=n_simdgroups)
     assert_close(got, ma.paged_attention_online(**args, n_partitions=n_simdgroups), tol=2e-6)
@@ -479,10 +503,10 @@ def test_mismatch_falls_back_with_one_warning(monkeypatch):
 
 def emulated_kernel(emulator, key=None):
     def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                              softcap=None):
+                              softcap=None, chunk=None):
         return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
                              context_lens=context_lens, block_size=block_size, scale=scale, window=window,
-                             softcap=softcap), key=key)
+                             softcap=softcap, chunk=chunk), key=key)
 
     return paged_attention_metal
 
@@ -516,6 +540,9 @@ def test_emulated_buggy_source_is_rejected(emulator):
     buggy = emulated_kernel(emulator, key="bug_d64_b16_n32")
     failure = ma.self_check(buggy, gather_sdpa, dtypes=(mx.float32,))
     assert failure and "disagrees" in failure and "case 2" in failure
+    # A chunk's first key dropped is caught by the chunked case (the last one).
+    failure = ma.self_check(emulated_kernel(emulator, key="chunkbug_d64_b16_n32"), gather_sdpa, dtypes=(mx.float32,))
+    assert failure and f"case {len(ma.self_check_cases(16, 64)) - 1}" in failure
 
 
 def test_emulated_kernel_passes_self_check_against_engine_reference(emulator):

@@ -10,7 +10,8 @@ Algorithm (one query row = one (sequence b, query head h, query token qi); on
 Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32, ...):
 
     query qi of a row with context length C sits at position p = C - q_len + qi
-    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window).
+    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window),
+    raised to p // chunk * chunk, its chunk's first key, for chunked attention (llama4).
 
     block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim,
     NS = num_blocks * BS slots; pools are head-major, see macinfer.kv.paged_attention):
@@ -83,7 +84,8 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
 
 # Signature shared by the reference path and the kernel path:
 # fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None)
-# (plus softcap=cap when a model soft-caps its attention logits: macinfer.kv.attention_variants)
+# (plus softcap=cap when a model soft-caps its attention logits: macinfer.kv.attention_variants,
+# and chunk=size for chunked local attention: llama4)
 AttentionFn = Callable[..., mx.array]
 
 
@@ -124,6 +126,7 @@ def padded_tables(block_tables, context_lens, block_size: int) -> mx.array:
 def paged_attention_online(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_partitions: int | None = None, softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
 
@@ -138,6 +141,7 @@ def paged_attention_online(
         n_partitions: simdgroups per row; default `default_simdgroups(head_dim)`,
             what the kernel launches with.
         softcap: logit soft-capping: a visible score s becomes tanh(s / softcap) * softcap.
+        chunk: chunked attention: a query at p sees keys >= p // chunk * chunk, or None.
 
     Returns:
         (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
@@ -150,6 +154,7 @@ def paged_attention_online(
     KVH, BS = kp.shape[0], block_size
     NSG = n_partitions or default_simdgroups(D)
     W = window or 0
+    CH = chunk or 0
     cap = np.float32(softcap or 0)
     f32 = np.float32
     out = np.empty_like(q)
@@ -159,6 +164,7 @@ def paged_attention_online(
             for qi in range(QL):
                 p = lens[b] - QL + qi  # [1] absolute position of this query
                 lo = max(0, p - W + 1) if W > 0 else 0
+                lo = max(lo, p // CH * CH) if CH > 0 else lo
                 j_lo, j_hi = lo // BS, p // BS
                 qv = q[b, h, qi]  # (D,)  [2] the query, in float32
                 ms = np.full(NSG, MASKED, f32)
@@ -203,6 +209,7 @@ METAL_SOURCE = """
     const int64_t NS = k_pool_shape[1];             // slots per head: num_blocks * BS
     const int MAXB = block_tables_shape[1];
     const int W = window[0];
+    const int CH = chunk[0];                          // > 0: chunked attention
     const float sc = scale[0];
     const float cap = softcap[0];                     // > 0: logit soft-capping
     const uint lane = thread_index_in_simdgroup;
@@ -212,10 +219,11 @@ METAL_SOURCE = """
     const int h = row / QL;
     const int qi = row % QL;
 
-    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo, j_lo, j_hi
+    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo (window, then chunk), j_lo, j_hi
     const int kvh = h / (H / KVH);
     const int p = context_lens[b] - QL + qi;
-    const int lo = W > 0 ? metal::max(0, p - W + 1) : 0;
+    const int lo_w = W > 0 ? metal::max(0, p - W + 1) : 0;
+    const int lo = CH > 0 ? metal::max(lo_w, (p / CH) * CH) : lo_w;
     const int j_lo = lo / BS;
     const int j_hi = p / BS;
 
@@ -314,7 +322,7 @@ METAL_SOURCE = """
     }
 """
 
-INPUT_NAMES = ("queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "window", "softcap")
+INPUT_NAMES = ("queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "window", "softcap", "chunk")
 
 
 @functools.lru_cache(maxsize=None)
@@ -331,6 +339,7 @@ def build_kernel():
 def kernel_launch(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_simdgroups: int | None = None, softcap: float | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs."""
     B, H, QL, D = queries.shape
@@ -341,7 +350,7 @@ def kernel_launch(
         inputs=[
             queries, k_pool, v_pool, padded_tables(block_tables, context_lens, BS), lens.astype(mx.int32),
             mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
-            mx.array([softcap or 0], dtype=mx.float32),
+            mx.array([softcap or 0], dtype=mx.float32), mx.array([chunk or 0], dtype=mx.int32),
         ],
         template=[("T", queries.dtype), ("D", D), ("BS", BS), ("NSG", NSG)],
         grid=(SIMD_WIDTH * NSG, H * QL, B),
@@ -353,18 +362,18 @@ def kernel_launch(
 
 def paged_attention_metal(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, chunk: int | None = None,
 ) -> mx.array:
     """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
     return build_kernel()(**kernel_launch(
         queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window,
-        softcap=softcap))[0]
+        softcap=softcap, chunk=chunk))[0]
 
 
 def random_problem(
     seed: int, *, context_lens: list[int], q_len: int = 1, n_heads: int = 4, n_kv_heads: int = 2,
     head_dim: int = 64, block_size: int = 16, dtype=mx.float32, window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, chunk: int | None = None,
 ) -> dict:
     """Random paged-attention arguments with shuffled physical blocks.
 
@@ -381,7 +390,7 @@ def random_problem(
     for b, n in enumerate(need):
         tables[b, :n] = [next(ids) for _ in range(n)]
     pool_shape = (n_kv_heads, num_blocks * BS, head_dim)  # head-major slots
-    extra = {} if softcap is None else {"softcap": softcap}
+    extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
     return dict(**extra,
         queries=mx.array(rng.standard_normal((len(context_lens), n_heads, q_len, head_dim), np.float32)).astype(dtype),
         k_pool=mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype),
@@ -396,7 +405,7 @@ def random_problem(
 
 def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
     """Problems the kernel must pass: lengths ending inside and on block boundaries,
-    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping."""
+    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping, chunks."""
     BS = block_size
     many = (default_simdgroups(head_dim) + 8) * BS + 7  # some simdgroups walk 2 blocks
     return [
@@ -405,6 +414,7 @@ def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
         dict(context_lens=[4 * BS + 1, many], q_len=2, n_heads=8, n_kv_heads=2, window=2 * BS + 3),
         dict(context_lens=[many], q_len=1, n_heads=3, n_kv_heads=1),
         dict(context_lens=[3 * BS + 2, BS], q_len=2, n_heads=4, n_kv_heads=2, window=BS + 1, softcap=2.0),
+        dict(context_lens=[3 * BS + 2, 2 * BS + 1], q_len=3, n_heads=4, n_kv_heads=2, chunk=BS + 3),
     ]
 
 
@@ -440,8 +450,8 @@ def _kernel_or_reference(kernel_fn: AttentionFn, reference_fn: AttentionFn) -> A
     """The kernel, with the reference for what it does not cover (sinks, head_dim_v != head_dim)."""
 
     def attention(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                  sinks=None, softcap=None):
-        extra = {} if softcap is None else {"softcap": softcap}
+                  sinks=None, softcap=None, chunk=None):
+        extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
         if sinks is not None or v_pool.shape[-1] != queries.shape[-1] or queries.dtype not in SUPPORTED_DTYPES:
             return reference_fn(queries, k_pool, v_pool, block_tables, context_lens,
                                 block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)

@@ -30,7 +30,11 @@ Masking, for query i of a row with context length C and q_len queries:
 
     key slot j:   0 1 2 ... C-q_len ... C-1 | C ... S-1 (padding)
     query i sits at absolute position p = C - q_len + i and sees
-    j <= p, and j > p - window for a sliding-window layer.
+    j <= p, and j > p - window for a sliding-window layer,
+    and j >= p // chunk * chunk for a chunked layer (llama4's local attention):
+
+    chunk = 4:  keys  0 1 2 3 | 4 5 6 7 | 8 9
+                query p = 6 sees 4 5 6;  p = 8 sees 8 alone
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def paged_attention(
     sinks: mx.array | None = None,
     memo: dict | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """Attention of the last q_len positions of each sequence over its paged context.
 
@@ -92,6 +97,8 @@ def paged_attention(
         softcap: logit soft-capping (Gemma 2): scores become tanh(s / softcap) * softcap
             before the mask and the softmax. MLX's fused SDPA has no such step, so the
             scores are then computed by hand (`softcapped_attention`).
+        chunk: chunked local attention (llama4): a query at p sees only keys at
+            positions >= p // chunk * chunk (its own chunk), or None.
 
     Returns:
         (B, n_heads, q_len, head_dim_v), like mx.fast.scaled_dot_product_attention.
@@ -100,22 +107,35 @@ def paged_attention(
     memo = {} if memo is None else memo
     if queries.shape[0] == 1:
         table = block_tables[0] if not isinstance(block_tables, mx.array) else block_tables[0].tolist()
-        k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, memo)
+        k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, chunk, memo)
     else:
-        k, v, mask = _batch(queries, k_pool, v_pool, block_tables, lens, block_size, window, memo)
+        k, v, mask = _batch(queries, k_pool, v_pool, block_tables, lens, block_size, window, chunk, memo)
     return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
 
 
-def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict):
+def visible(key: mx.array, pos: mx.array, window: int | None, chunk: int | None) -> mx.array:
+    """Boolean mask: which key positions the queries at `pos` see (module docstring)."""
+    mask = key <= pos
+    if window is not None:
+        mask = mask & (key > pos - window)
+    if chunk is not None:
+        mask = mask & (key >= pos // chunk * chunk)
+    return mask
+
+
+def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, chunk, memo: dict):
     """One row (single stream or a prefill chunk): (k, v, mask) over exactly the slots in use.
 
     MLX applies the causal mask, the same shapes mlx-lm's own KVCache would produce. Only the
-    window's blocks are read when it applies.
+    window's (the chunk's) blocks are read when it applies.
     """
     q_len = queries.shape[2]
-    first = 0
+    first = 0  # oldest slot any query sees, rounded down to its block
     if window is not None:
-        first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
+        first = max(0, C - q_len - window + 1)
+    if chunk is not None:
+        first = max(first, (C - q_len) // chunk * chunk)
+    first = first // bs * bs
     blocks = list(table[first // bs: -(-C // bs)])
     S = C - first
     if _contiguous_run(blocks):
@@ -128,7 +148,7 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict
             memo[key_] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :S]
         ids = memo[key_]
         k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
-    if window is None or S <= window and q_len == 1:
+    if chunk is None and (window is None or S <= window and q_len == 1):
         mask = "causal" if q_len > 1 else None
         if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
             # A verify step's few queries: on the CPU backend SDPA builds its causal mask in
@@ -142,11 +162,11 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict
     else:
         pos = mx.arange(C - q_len, C)[:, None]  # (q_len, 1) absolute query positions
         key = mx.arange(first, C)[None]  # (1, S)
-        mask = (key <= pos) & (key > pos - window)
+        mask = visible(key, pos, window, chunk)
     return k, v, mask
 
 
-def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, memo: dict):
+def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, chunk, memo: dict):
     """Several rows: (k, v, mask) with every table padded to the longest with the null block, masked per row."""
     q_len = queries.shape[2]
     if "tables" not in memo:
@@ -160,16 +180,13 @@ def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, wind
     slots = memo["slots"]
     # One take along the slot axis: (n_kv, B, S, D) -> (B, n_kv, S, D).
     k, v = k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
-    key_ = ("mask", window, q_len)
+    key_ = ("mask", window, chunk, q_len)
     if key_ not in memo:
         S = k.shape[2]
         ctx = mx.array(lens, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         pos = ctx - q_len + mx.arange(q_len, dtype=mx.int32)[None, :, None]  # (B, q_len, 1)
         key = mx.arange(S, dtype=mx.int32)[None, None, :]  # (1, 1, S)
-        mask = key <= pos  # also hides padding: pos < C
-        if window is not None:
-            mask = mask & (key > pos - window)
-        memo[key_] = mask[:, None]  # (B, 1, q_len, S)
+        memo[key_] = visible(key, pos, window, chunk)[:, None]  # also hides padding: pos < C  # (B, 1, q_len, S)
     return k, v, memo[key_]
 
 

@@ -21,13 +21,14 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
   to mlx-lm's original (so mlx-lm keeps working in the same process).
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
-layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (chunked
-attention; recurrent ArraysCache layers get state slots instead, see
+layers whose mlx-lm cache is not a plain KVCache, a RotatingKVCache or a
+ChunkedKVCache (recurrent ArraysCache layers get state slots instead, see
 macinfer.kv.state_cache), and models that compute attention without going through
 `scaled_dot_product_attention`, except the families `macinfer.kv.attention_variants`
 routes itself (gemma2's soft-capping, gemma3n/gemma4 KV sharing, MLA's latent). Sliding
-window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
-and masked in attention; their pools hold every token (simple, correct; freeing
+window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size),
+chunked ones (llama4's local attention) from its ChunkedKVCache chunk_size, and both
+are masked in attention; their pools hold every token (simple, correct; freeing
 blocks that slid out of the window is future work).
 """
 
@@ -74,9 +75,10 @@ class ForwardContext:
     attention_fn: object = None
 
     def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
-               softcap=None) -> mx.array:
+               softcap=None, chunk=None) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
-        extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
+        # Logit soft-capping (attention_variants) and chunked attention (llama4), passed only when set.
+        extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
         # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
         # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
         if self.attention_fn is not None and queries.shape[2] <= KERNEL_MAX_Q_LEN:
@@ -148,6 +150,7 @@ class LayerSpec:
     v_head_dim: int
     window: int | None
     dtype: mx.Dtype
+    chunk: int | None = None  # chunked local attention (llama4): a query sees its own chunk only
 
     def bytes_per_token(self) -> int:
         return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
@@ -166,7 +169,7 @@ class PagedKVCache:
 
     def __init__(self, ctx: ForwardContext, spec: LayerSpec, num_blocks: int, block_size: int):
         self.ctx = ctx
-        self.window = spec.window
+        self.window, self.chunk = spec.window, spec.chunk
         self.block_size = block_size
         # (n_kv_heads, num_blocks * block_size, head_dim), head-major slots: see paged_attention for why.
         self.k_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.k_head_dim), dtype=spec.dtype)
@@ -200,7 +203,7 @@ class PagedKVCache:
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
                                block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
-                               memo=self.ctx.memo, softcap=softcap)
+                               memo=self.ctx.memo, softcap=softcap, chunk=self.chunk)
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property

@@ -59,7 +59,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         if bits not in SUPPORTED_BITS:
             raise MacinferError(f"KV cache bits must be one of {SUPPORTED_BITS}, got {bits}")
         self.ctx = ctx
-        self.window = spec.window
+        self.window, self.chunk = spec.window, spec.chunk
         self.block_size = block_size
         self.kv_bits = bits
         self.dtype = spec.dtype
@@ -111,7 +111,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
         return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
-                               sinks=sinks, memo=sub, softcap=softcap)
+                               sinks=sinks, memo=sub, softcap=softcap, chunk=self.chunk)
 
     @property
     def state(self):
