@@ -7,13 +7,14 @@ preempt); every token must be what mlx-lm's own generate_step gives for that pro
 
 The gemma3n, deepseek_v3 (also kimi_k25's text model) and glm4_moe_lite configurations are
 adapted from mlx-lm's tests/test_models.py, Copyright © 2023-2024 Apple Inc., MIT License;
-the others are sized alike.
+the others are sized alike (ministral3's and bailing_moe_v3's come from tests/arch_configs.json).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -100,12 +101,18 @@ LLAMA4 = {
         "use_qk_norm": True, "rope_scaling": None, "floor_scale": 8, "attn_scale": 0.5,
     },
 }
+ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_text())["configs"]
+# MLA beside linear-attention (KDA) layers with recurrent state: the latent pages, the state gets slots.
+BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
+# Sliding and full layers, yarn rope and llama-4 query scaling from position 16 on.
+MINISTRAL3 = ARCH_CONFIGS["ministral3"]
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
-            "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0)}
+            "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
+            "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -181,17 +188,24 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
     assert got == want
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3", "llama4"])
-def test_prefix_cache_hit_matches_mlx_lm(family, name):
-    """A later prompt sharing 30 tokens starts from cached blocks (shared views and latents read them)."""
+@pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
+                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36)])
+def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
+    """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
+
+    A model with recurrent state (bailing_moe_v3) restarts only where a state snapshot was kept: the
+    end of the first prompt's last full block (36 of its 40 tokens).
+    """
     model, tok = family(name)
     p = prompts_for(name)[3]
-    q = p[:30] + [7, 8, 9]
+    q = p[:shared] + [7, 8, 9]
     engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                        enable_prefix_cache=True, persist_prefix_cache=False)
+    if engine.state_pool is not None:
+        engine.scheduler.min_snapshot_tokens = 0  # a tiny prompt: snapshot anyway (tests/test_hybrid_prefix.py)
     results = run(engine, [(0, p, SamplingParams(max_tokens=12, ignore_eos=True), "a"),
                            (30, q, SamplingParams(max_tokens=12, ignore_eos=True), "b")])
-    assert results["b"][0].metrics.cached_tokens == 28
+    assert results["b"][0].metrics.cached_tokens == cached
     assert [results[k][0].token_ids for k in "ab"] == [oracle(model, x, 12)[0] for x in (p, q)]
 
 

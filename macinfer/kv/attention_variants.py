@@ -23,9 +23,10 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4 (MLA): mlx-lm already caches the compressed latent
-  (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values per token) and expands or absorbs it
-  inside attention, asking its cache for the whole context back and for a mask array. The pools
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3 (MLA): mlx-lm
+  already caches the compressed latent (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values
+  per token) and expands or absorbs it inside attention, asking its cache for the whole context
+  back and for a mask array. The pools
   page exactly that latent (one "KV head": K = latent, V = rope key); the layer is handed a
   `_LatentContext` whose update_and_fetch writes the pools and returns the dense context of
   this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
@@ -372,12 +373,15 @@ _VARIANTS = {
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
+    "mlx_lm.models.bailing_hybrid": {"MultiLatentAttention": _LatentAttention},
+    "mlx_lm.models.bailing_moe_v3": {"BailingMLA": _LatentAttention},
     "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
     "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
     "mlx_lm.models.llama4": {"LlamaModel": _Llama4Model, "Attention": _Llama4Attention},  # chunk masks
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
-_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
+_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite",
+                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3")
 _subclasses: dict[type, type] = {}
 
 
