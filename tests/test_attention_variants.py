@@ -106,13 +106,16 @@ ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_tex
 BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
 # Sliding and full layers, yarn rope and llama-4 query scaling from position 16 on.
 MINISTRAL3 = ARCH_CONFIGS["ministral3"]
+# Sliding layers whose mask is one token wider than their RotatingKVCache (paged_attention: prompt window).
+PLAMO3 = ARCH_CONFIGS["plamo3"]
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
             "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
-            "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0)}
+            "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
+            "plamo3": (PLAMO3, 0.2, 1.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -189,7 +192,7 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
 
 
 @pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
-                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36)])
+                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -231,6 +234,44 @@ def test_llama4_chunks_and_query_scaling_are_what_decide(family):
     # Layers 0-2 attend within chunks of 6, layer 3 (NoPE) globally; every row decodes in one forward.
     assert [(s.window, s.chunk) for s in inspect_model(model, "llama4")] == [(None, 6)] * 3 + [(None, None)]
     assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
+
+
+def mlx_lm_visible(window: int, steps: list[int]) -> dict[int, list[int]]:
+    """Which key positions each query sees in mlx-lm, through its own RotatingKVCache(window) asked for a
+    (window + 1)-token mask (plamo3), forward by forward of `steps` tokens: position -> visible positions."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    cache, seen, start = RotatingKVCache(max_size=window), {}, 0
+    for n in steps:
+        mask = cache.make_mask(n, window_size=window + 1)  # before the update, as the model asks
+        k = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1)  # each key holds its position
+        held = np.array(cache.update_and_fetch(k, k)[0][0, 0, :, 0]).astype(int)  # in the cache's order
+        S = len(held)
+        if mask is None:
+            m = np.ones((n, S), bool)
+        elif isinstance(mask, str):  # "causal": the forward's n queries are the last n keys
+            m = np.arange(S)[None] <= np.arange(S - n, S)[:, None]
+        else:
+            m = np.broadcast_to(np.array(mask), (n, S))
+        for i in range(n):
+            seen[start + i] = sorted(held[m[i]].tolist())
+        start += n
+    return seen
+
+
+def test_plamo3_prompt_window_is_mlx_lms():
+    """query_windows against mlx-lm's own cache and mask, as generate_step runs a 2060-token prompt: every
+    prompt token but the last in forwards of 2048, then one token per forward (4 decode steps)."""
+    from macinfer.kv.paged_attention import MLX_LM_PREFILL_STEP, query_windows
+
+    W, n = 8, MLX_LM_PREFILL_STEP + 12
+    steps = [MLX_LM_PREFILL_STEP, n - 1 - MLX_LM_PREFILL_STEP] + [1] * 5
+    seen = mlx_lm_visible(W, steps)
+    pos = mx.arange(sum(steps))[:, None]
+    windows = np.array(query_windows(pos, W, (W + 1, [n])))[:, 0]
+    assert {p: list(range(max(0, p - int(w) + 1), p + 1)) for p, w in enumerate(windows)} == seen
+    assert sorted({int(windows[p]) for p in (9, 2047, 2049, n - 2)}) == [W + 1]  # prompt queries: W + 1
+    assert sorted({int(windows[p]) for p in (2048, n - 1, n + 3)}) == [W]  # a forward's first, and one-token ones
 
 
 @pytest.mark.parametrize("name", ["gemma3n", "gemma4_text"])

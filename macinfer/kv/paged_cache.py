@@ -48,6 +48,7 @@ class PagedMask:
     """What make_mask hands the model: which window the model asked for."""
 
     window: int | None = None
+    prompt: bool = False  # window is a prompt window, one past the cache's (plamo3)
 
 
 KERNEL_MAX_Q_LEN = 8  # decode and verify rows (1 + drafts) only; MLX's own sdpa_vector limit
@@ -63,6 +64,7 @@ class ForwardContext:
         context_lens   B ints: tokens in context after this step
         slot_blocks    int32 (T,): block id of each new token, row-major
         slot_offsets   int32 (T,): slot inside that block
+        prompt_lens    B ints: each row's prompt length (a prompt window needs it), or None
     """
 
     offsets: int | mx.array = 0
@@ -70,17 +72,23 @@ class ForwardContext:
     context_lens: list[int] = field(default_factory=list)
     slot_blocks: mx.array | None = None
     slot_offsets: mx.array | None = None
+    prompt_lens: list[int] | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
     # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
     attention_fn: object = None
 
     def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
-               softcap=None, chunk=None) -> mx.array:
+               softcap=None, chunk=None, prompt_window=None) -> mx.array:
         """Attention over pages with the selected backend (one place for every cache type)."""
         # Logit soft-capping (attention_variants) and chunked attention (llama4), passed only when set.
         extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
         # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
         # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
+        # A prompt window (two windows by position) is the reference path's alone.
+        if prompt_window is not None:
+            return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens, block_size=block_size,
+                                   scale=scale, window=window, sinks=sinks, memo=memo, prompt_window=prompt_window,
+                                   prompt_lens=self.prompt_lens, **extra)
         if self.attention_fn is not None and queries.shape[2] <= KERNEL_MAX_Q_LEN:
             # The padded int32 tables once per forward, not per layer (1.5 ms a layer at 64 rows x 256 blocks).
             key = ("kernel_tables", block_size)
@@ -191,6 +199,8 @@ class PagedKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if return_array:
             raise MacinferError("this model needs an explicit attention mask array, which paged attention cannot provide")
+        if self.window is not None and window_size == self.window + 1:
+            return PagedMask(window_size, prompt=True)  # plamo3 (paged_attention, `prompt_window`)
         if window_size is not None and window_size != self.window:
             raise MacinferError(
                 f"the model asks for a {window_size}-token attention window where its cache says "
@@ -203,7 +213,7 @@ class PagedKVCache:
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
                                block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
-                               memo=self.ctx.memo, softcap=softcap, chunk=self.chunk)
+                               memo=self.ctx.memo, softcap=softcap, chunk=self.chunk, prompt_window=prompt_window(mask))
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property
@@ -219,6 +229,11 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.k_pool.nbytes + self.v_pool.nbytes
+
+
+def prompt_window(mask) -> int | None:
+    """The wider window a model asked for its prompt's queries (PagedMask.window past the cache's), or None."""
+    return mask.window if isinstance(mask, PagedMask) and mask.window is not None and mask.prompt else None
 
 
 # -- the attention dispatch (installed by macinfer.kv.model_probe) ---------------------------

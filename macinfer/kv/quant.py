@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.kv.paged_attention import block_slots
-from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, write_pool
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, prompt_window, write_pool
 
 SUPPORTED_BITS = (4, 8)
 
@@ -111,7 +111,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         # memoised (by-table) arrays apart from the float path's.
         sub = self.ctx.memo.setdefault("kvq_attn", {})
         return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
-                               sinks=sinks, memo=sub, softcap=softcap, chunk=self.chunk)
+                               sinks=sinks, memo=sub, softcap=softcap, chunk=self.chunk, prompt_window=prompt_window(mask))
 
     @property
     def state(self):
