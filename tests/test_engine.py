@@ -224,17 +224,18 @@ def test_default_budget_prefills_sixteen_short_prompts_in_one_step(load):
 
 def test_unpageable_architecture_is_refused():
     import mlx.nn as nn
-    from mlx_lm.models.cache import ChunkedKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
 
-    # Recurrent (ArraysCache) layers are served with state slots now (tests/test_hybrid.py); chunked attention is not.
-    class Chunked(nn.Module):
+    # Recurrent (ArraysCache) layers get state slots (tests/test_hybrid.py), chunked attention is masked
+    # (llama4: tests/test_attention_variants.py); a cache type the engine does not know is refused.
+    class Quantized(nn.Module):
         layers = [None]
 
         def make_cache(self):
-            return [ChunkedKVCache(8)]
+            return [QuantizedKVCache()]
 
-    with pytest.raises(MacinferError, match="llama4.*ChunkedKVCache"):
-        inspect_model(Chunked(), "llama4")
+    with pytest.raises(MacinferError, match="oddity.*QuantizedKVCache"):
+        inspect_model(Quantized(), "oddity")
 
 
 def test_llm_interface(tiny_models):

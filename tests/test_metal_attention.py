@@ -25,12 +25,12 @@ import pytest
 
 from macinfer.kv import kernel_dispatch as kd
 from macinfer.kv import metal_attention as ma
-from macinfer.kv.paged_attention import QuantPool
+from macinfer.kv.paged_attention import QuantPool, paged_attention
 from macinfer.errors import MacinferError
 
 
 def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None,
-                softcap=None):
+                softcap=None, chunk=None):
     """Oracle: gather each row's slots (head-major pools) to contiguous K/V (quantised pools: then
     dequantised, with MLX's own mx.dequantize), then MLX's SDPA (soft-capped scores: by hand,
     tests/test_attention_variants.py checks that one)."""
@@ -46,6 +46,8 @@ def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_si
         mask = key <= pos
         if window:
             mask = mask & (key > pos - window)
+        if chunk:  # llama4: its own chunk only
+            mask = mask & (key >= pos // chunk * chunk)
         if softcap is not None:
             from macinfer.kv.paged_attention import softcapped_attention
 
@@ -112,6 +114,23 @@ def test_reference_windows(window):
     assert_close(ma.paged_attention_online(**args, n_partitions=2), gather_sdpa(**args))
 
 
+@pytest.mark.parametrize("chunk,window", [(1, None), (5, None), (8, None), (13, None), (1000, None), (6, 4)])
+def test_reference_chunks(chunk, window):
+    """Chunked attention (llama4): chunks that end mid-block and on block ends; with a window inside them too."""
+    args = ma.random_problem(chunk, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
+                             block_size=8, chunk=chunk, window=window)
+    want = gather_sdpa(**args)
+    assert_close(ma.paged_attention_online(**poison_unused_slots(dict(args)), n_partitions=2), want)
+    assert_close(paged_attention(**args), want)  # the engine's path (its pools hold no NaN: zeros, stale K/V)
+    # The same rows as single rows (one-row path: only the chunk's blocks are read).
+    for b, C in enumerate(args["context_lens"]):
+        one = {**args, "queries": args["queries"][b: b + 1], "block_tables": args["block_tables"][b: b + 1],
+               "context_lens": [C]}
+        assert_close(paged_attention(**one), want[b: b + 1])
+    if chunk < 40:
+        assert not np.allclose(np.array(want), np.array(gather_sdpa(**{**args, "chunk": None})), atol=1e-3)
+
+
 @pytest.mark.parametrize("context_lens", [[1], [9], [64], [3, 200, 17, 8, 33, 1]])
 def test_reference_batch_shapes(context_lens):
     args = poison_unused_slots(ma.random_problem(
@@ -174,7 +193,7 @@ def test_launch_config():
     assert launch["grid"] == (256, 18, 2) and launch["threadgroup"] == (256, 1, 1)  # 256 threads, as vllm-metal
     assert launch["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("NSG", 8)]
     assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32, mx.float32,
-                                                       mx.float32]
+                                                       mx.float32, mx.int32]  # ... softcap, sinks, chunk
     assert all(ma.default_simdgroups(d) == 8 for d in (64, 80, 96, 128, 256))
     assert ma.default_simdgroups(64, max_threads=1024) == 32 and ma.default_simdgroups(256, max_threads=1024) == 16
     q = ma.kernel_launch(**{**args, **ma.random_problem(0, context_lens=[5], head_dim=64, kv_bits=8)}, n_simdgroups=3)
@@ -339,7 +358,10 @@ extern "C" int run_{key}(void** in, int** shape, void* out, int groups_y, int gr
 
 
 WINDOW_BUG = ma.METAL_SOURCE.replace("p - W + 1", "p - W")  # an off-by-one the self-check must catch
-assert WINDOW_BUG != ma.METAL_SOURCE
+CHUNK_BUG = ma.METAL_SOURCE.replace("(p / CH) * CH", "(p / CH) * CH + 1")  # a chunk's first key lost
+QUANT_CHUNK_BUG = ma.QUANT_METAL_SOURCE.replace("(p / CH) * CH", "(p / CH) * CH + 1")
+assert WINDOW_BUG != ma.METAL_SOURCE != CHUNK_BUG and QUANT_CHUNK_BUG != ma.QUANT_METAL_SOURCE
+BUGS = (WINDOW_BUG, CHUNK_BUG, QUANT_CHUNK_BUG)
 # What the emulator is built for: key -> (source, dtype, head_dim, block_size, n_simdgroups, kv_bits).
 CONFIGS = {
     "f32_d32_b8_n3": (ma.METAL_SOURCE, mx.float32, 32, 8, 3, None),
@@ -348,6 +370,8 @@ CONFIGS = {
     "f16_d64_b16_n8": (ma.METAL_SOURCE, mx.float16, 64, 16, 8, None),
     "bf16_d64_b16_n8": (ma.METAL_SOURCE, mx.bfloat16, 64, 16, 8, None),
     "bug_d64_b16_n8": (WINDOW_BUG, mx.float32, 64, 16, 8, None),
+    "chunkbug_d64_b16_n8": (CHUNK_BUG, mx.float32, 64, 16, 8, None),
+    "q8chunkbug_d64_b16_n8": (QUANT_CHUNK_BUG, mx.float32, 64, 16, 8, 8),
     "q8_f32_d64_b8_n3": (ma.QUANT_METAL_SOURCE, mx.float32, 64, 8, 3, 8),
     "q4_f32_d64_b8_n2": (ma.QUANT_METAL_SOURCE, mx.float32, 64, 8, 2, 4),
     "q8_f16_d64_b16_n8": (ma.QUANT_METAL_SOURCE, mx.float16, 64, 16, 8, 8),
@@ -385,7 +409,7 @@ def emulator(tmp_path_factory):
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     lib = ctypes.CDLL(str(d / "kernels.so"))
-    by_config = {cfg[1:]: key for key, cfg in CONFIGS.items() if cfg[0] is not WINDOW_BUG}
+    by_config = {cfg[1:]: key for key, cfg in CONFIGS.items() if all(cfg[0] is not bug for bug in BUGS)}
     as_bits = {mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 
     def run(args, n_simdgroups=None, key=None):
@@ -411,11 +435,13 @@ def emulator(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n_simdgroups,block_size,head_dim", [(3, 8, 32), (1, 16, 32), (2, 32, 40)])
-@pytest.mark.parametrize("q_len,gqa,window", [(1, 1, None), (3, 3, None), (2, 4, 11), (4, 2, 40)])
-def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window):
+@pytest.mark.parametrize("q_len,gqa,window,chunk", [(1, 1, None, None), (3, 3, None, None), (2, 4, 11, None),
+                                                    (4, 2, 40, None), (3, 2, None, 13), (1, 1, None, 16)])
+def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window,
+                                                    chunk):
     args = ma.random_problem(
         q_len * 7 + gqa, context_lens=lengths(block_size, q_len), q_len=q_len, n_heads=2 * gqa,
-        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window)
+        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window, chunk=chunk)
     args = poison_unused_slots(args)
     got = emulator(args, n_simdgroups=n_simdgroups)
     assert_close(got, ma.paged_attention_online(**args, n_partitions=n_simdgroups), tol=2e-6)
@@ -579,10 +605,10 @@ def test_mismatch_falls_back_with_one_warning(monkeypatch):
 
 def emulated_kernel(emulator, key=None):
     def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                              softcap=None, sinks=None, n_simdgroups=None):
+                              softcap=None, sinks=None, chunk=None, n_simdgroups=None):
         return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
                              context_lens=context_lens, block_size=block_size, scale=scale, window=window,
-                             softcap=softcap, sinks=sinks), n_simdgroups=n_simdgroups, key=key)
+                             softcap=softcap, sinks=sinks, chunk=chunk), n_simdgroups=n_simdgroups, key=key)
 
     return paged_attention_metal
 
@@ -607,11 +633,21 @@ def test_emulated_metal_source_passes_self_check_and_is_selected(emulator, monke
     args = ma.random_problem(9, context_lens=[20, 9], q_len=2, sinks=True)
     assert_close(fn(**args), gather_sdpa(**args))
     assert reference_calls == []
+
+
 def test_emulated_buggy_source_is_rejected(emulator):
-    """The self-check has teeth: a window off by one key fails it, in the windowed case."""
+    """The self-check has teeth: a window off by one key fails it, in the windowed case; a chunk's
+    first key dropped (float or quantised source), in the chunked case."""
     buggy = emulated_kernel(emulator, key="bug_d64_b16_n8")
     failure = ma.self_check(buggy, gather_sdpa, dtypes=(mx.float32,))
     assert failure and "disagrees" in failure and "case 2" in failure
+    # The chunked case is the last one.
+    chunked = f"case {len(ma.self_check_cases(16, 64)) - 1}"
+    failure = ma.self_check(emulated_kernel(emulator, key="chunkbug_d64_b16_n8"), gather_sdpa, dtypes=(mx.float32,))
+    assert failure and chunked in failure
+    failure = ma.self_check(emulated_kernel(emulator, key="q8chunkbug_d64_b16_n8"), gather_sdpa, dtypes=(mx.float32,),
+                            kv_bits=8)  # the quantised variant's chunk too
+    assert failure and chunked in failure
 
 
 def test_emulated_kernel_passes_self_check_against_engine_reference(emulator):

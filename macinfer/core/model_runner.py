@@ -134,7 +134,7 @@ class ModelRunner:
         """
         counts = [r.num_new_tokens for r in rows]
         starts = [r.seq.num_computed_tokens for r in rows]
-        L = self.set_context([r.seq.block_table for r in rows], starts, counts)
+        L = self.set_context([r.seq.block_table for r in rows], starts, counts, [r.seq.num_prompt_tokens for r in rows])
         tokens, last = [], [n - 1 for n in counts]
         for r, start, n in zip(rows, starts, counts):
             ids = r.seq.token_ids[start: start + n]
@@ -164,12 +164,14 @@ class ModelRunner:
             return logits[:, -1, :]
         return logits[mx.arange(len(rows)), mx.array(last)]
 
-    def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> int:
+    def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int],
+                    prompt_lens: list[int] | None = None) -> int:
         """Set the metadata every layer's cache reads for the next forward; returns its length L.
 
         Row i computes counts[i] new tokens from position starts[i] through its block table
         tables[i]; rows are right-padded to L = max(counts), and padding writes go to the
-        null block (slot 0 of block 0).
+        null block (slot 0 of block 0). prompt_lens: each row's prompt length (a prompt
+        window, ForwardContext.prompt_lens), if known.
         """
         bs = self.block_size
         L = max(counts)
@@ -181,6 +183,7 @@ class ModelRunner:
         c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
         c.block_tables = tables
         c.context_lens = [s + L for s in starts]
+        c.prompt_lens = prompt_lens
         c.slot_blocks = mx.array(blocks, dtype=mx.int32)
         c.slot_offsets = mx.array(slots, dtype=mx.int32)
         c.memo = {}
@@ -197,7 +200,7 @@ class ModelRunner:
         logprobs (delivered when the ids are read back).
         """
         starts = [s.num_computed_tokens for s in seqs]
-        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs))
+        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
         if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
             self.states.bind(seqs, [1] * len(seqs), 1)
         if self.hidden_sink is None:

@@ -6,7 +6,7 @@ every decode or verify call (q_len <= 8; prefill never comes here), and it decid
 *shape class*:
 
     class = (dtype, head_dim, block_size, KV bits and group, n_heads, n_kv_heads, q_len,
-             window, soft-cap, sinks?, table width and batch, each rounded up to a power of 2)
+             window, chunk, soft-cap, sinks?, table width and batch, each rounded up to a power of 2)
 
 1. Checked before use: the first call in a class runs the kernel against the reference on a
    random problem of that class (its widest table and largest batch), evaluated. That compiles
@@ -92,9 +92,10 @@ class KernelDispatch:
         quant = k_pool[3:] if isinstance(k_pool, QuantPool) else None
         return (str(queries.dtype), queries.shape[-1], block_size, quant)
 
-    def shape_class(self, queries, k_pool, tables, *, block_size, window=None, softcap=None, sinks=None) -> tuple:
+    def shape_class(self, queries, k_pool, tables, *, block_size, window=None, chunk=None, softcap=None,
+                    sinks=None) -> tuple:
         B, H, QL, _ = queries.shape
-        return (*self._pipeline(queries, k_pool, block_size), H, k_pool.shape[0], QL, window, softcap,
+        return (*self._pipeline(queries, k_pool, block_size), H, k_pool.shape[0], QL, window, chunk, softcap,
                 sinks is not None, _pow2(tables.shape[1]), _pow2(B))
 
     # -- the decision -------------------------------------------------------------------------
@@ -103,11 +104,11 @@ class KernelDispatch:
 
         Args:
             args: the reference's keyword arguments for the call (queries, k_pool, v_pool,
-                block_tables as host lists, context_lens, block_size, scale, window, sinks[, softcap]).
+                block_tables as host lists, context_lens, block_size, scale, window, sinks[, softcap, chunk]).
             tables: the padded int32 (B, W) tables the kernel reads (metal_attention.padded_tables).
         """
         q, k, v = args["queries"], args["k_pool"], args["v_pool"]
-        extra = {n: args.get(n) for n in ("window", "softcap", "sinks")}
+        extra = {n: args.get(n) for n in ("window", "chunk", "softcap", "sinks")}
         if self.failed or not kernel_supports(q, k, v, sinks=extra["sinks"], softcap=extra["softcap"]):
             return False
         key = self.shape_class(q, k, tables, block_size=args["block_size"], **extra)
@@ -153,8 +154,8 @@ class KernelDispatch:
 
     # -- the call ----------------------------------------------------------------------------
     def __call__(self, queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                 sinks=None, softcap=None):
-        extra = {} if softcap is None else {"softcap": softcap}
+                 sinks=None, softcap=None, chunk=None):
+        extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
         pipe = self._pipeline(queries, k_pool, block_size)
         if not self.failed:
             try:
@@ -172,12 +173,12 @@ class KernelDispatch:
 def class_problem(key: tuple, args: dict) -> dict:
     """A random problem of a shape class: its widest table (one row) beside short ragged rows,
     up to its largest batch (the rounded-up sizes, so one check covers the whole class)."""
-    dtype_name, D, BS, quant, H, KVH, QL, window, softcap, sinks, width, batch = key
+    dtype_name, D, BS, quant, H, KVH, QL, window, chunk, softcap, sinks, width, batch = key
     longest = width * BS - 1
     lens = [longest] + [min(longest, QL + (5 * b) % (3 * BS)) for b in range(1, batch)]
     return ma.random_problem(
         len(lens) + width, context_lens=lens, q_len=QL, n_heads=H, n_kv_heads=KVH, head_dim=D, block_size=BS,
-        dtype=args["queries"].dtype, window=window, softcap=softcap, sinks=sinks,
+        dtype=args["queries"].dtype, window=window, chunk=chunk, softcap=softcap, sinks=sinks,
         kv_bits=quant[0] if quant else None, kv_group=quant[1] if quant else 32)
 
 

@@ -10,7 +10,8 @@ Algorithm (one query row = one (sequence b, query head h, query token qi); on
 Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32, ...):
 
     query qi of a row with context length C sits at position p = C - q_len + qi
-    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window).
+    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window),
+    raised to p // chunk * chunk, its chunk's first key, for chunked attention (llama4).
 
     block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim,
     NS = num_blocks * BS slots; pools are head-major, see macinfer.kv.paged_attention):
@@ -85,7 +86,8 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
 
 # Signature shared by the reference path and the kernel path:
 # fn(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None)
-# (plus softcap=cap when a model soft-caps its attention logits: macinfer.kv.attention_variants)
+# (plus softcap=cap when a model soft-caps its attention logits: macinfer.kv.attention_variants,
+# and chunk=size for chunked local attention: llama4)
 AttentionFn = Callable[..., mx.array]
 
 
@@ -147,6 +149,7 @@ def _np_rows(pool, kvh: int, slots: np.ndarray) -> np.ndarray:
 def paged_attention_online(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_partitions: int | None = None, softcap: float | None = None, sinks=None,
+    chunk: int | None = None,
 ) -> mx.array:
     """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
 
@@ -164,6 +167,7 @@ def paged_attention_online(
         softcap: logit soft-capping: a visible score s becomes tanh(s / softcap) * softcap.
         sinks: (n_heads,) attention sinks: a logit per head in the softmax's denominator
             with no value (MLX's SDPA `sinks`), or None.
+        chunk: chunked attention: a query at p sees keys >= p // chunk * chunk, or None.
 
     Returns:
         (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
@@ -176,6 +180,7 @@ def paged_attention_online(
     KVH, BS = kp.shape[0], block_size
     NSG = n_partitions or default_simdgroups(D)
     W = window or 0
+    CH = chunk or 0
     cap = np.float32(softcap or 0)
     sink = _np32(sinks) if sinks is not None else np.full(H, MASKED, np.float32)
     f32 = np.float32
@@ -186,6 +191,7 @@ def paged_attention_online(
             for qi in range(QL):
                 p = lens[b] - QL + qi  # [1] absolute position of this query
                 lo = max(0, p - W + 1) if W > 0 else 0
+                lo = max(lo, p // CH * CH) if CH > 0 else lo
                 j_lo, j_hi = lo // BS, p // BS
                 qv = q[b, h, qi]  # (D,)  [2] the query, in float32
                 ms = np.full(NSG, MASKED, f32)
@@ -232,6 +238,7 @@ _SOURCE = """
     const int KVH = KV_HEADS;
     const int MAXB = block_tables_shape[1];
     const int W = window[0];
+    const int CH = chunk[0];                          // > 0: chunked attention
     const float sc = scale[0];
     const float cap = softcap[0];                     // > 0: logit soft-capping
     const uint lane = thread_index_in_simdgroup;
@@ -241,10 +248,11 @@ _SOURCE = """
     const int h = row / QL;
     const int qi = row % QL;
 
-    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo, j_lo, j_hi
+    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo (window, then chunk), j_lo, j_hi
     const int kvh = h / (H / KVH);
     const int p = context_lens[b] - QL + qi;
-    const int lo = W > 0 ? metal::max(0, p - W + 1) : 0;
+    const int lo_w = W > 0 ? metal::max(0, p - W + 1) : 0;
+    const int lo = CH > 0 ? metal::max(lo_w, (p / CH) * CH) : lo_w;
     const int j_lo = lo / BS;
     const int j_hi = p / BS;
 
@@ -364,7 +372,7 @@ METAL_SOURCE = _SOURCE.replace("KV_READS", FLOAT_READS.strip()).replace("KV_HEAD
 QUANT_METAL_SOURCE = (_SOURCE.replace("KV_READS", QUANT_READS.strip()).replace("KV_HEADS", "k_codes_shape[0]")
                       .replace("    #undef V_AT\n", "    #undef V_AT\n    #undef KV_AT\n"))
 
-_TAIL = ("block_tables", "context_lens", "scale", "window", "softcap", "sinks")
+_TAIL = ("block_tables", "context_lens", "scale", "window", "softcap", "sinks", "chunk")
 INPUT_NAMES = ("queries", "k_pool", "v_pool", *_TAIL)
 QUANT_INPUT_NAMES = ("queries", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", *_TAIL)
 
@@ -383,6 +391,7 @@ def build_kernel(quantized: bool = False):
 def kernel_launch(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, n_simdgroups: int | None = None, softcap: float | None = None, sinks=None,
+    chunk: int | None = None,
 ) -> dict:
     """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs.
 
@@ -406,7 +415,7 @@ def kernel_launch(
         inputs=[
             queries, *pools, tables, lens.astype(mx.int32),
             mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
-            mx.array([softcap or 0], dtype=mx.float32), sink,
+            mx.array([softcap or 0], dtype=mx.float32), sink, mx.array([chunk or 0], dtype=mx.int32),
         ],
         template=template,
         grid=(SIMD_WIDTH * NSG, H * QL, B),
@@ -418,18 +427,20 @@ def kernel_launch(
 
 def paged_attention_metal(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, softcap: float | None = None, sinks=None, n_simdgroups: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks=None, chunk: int | None = None,
+    n_simdgroups: int | None = None,
 ) -> mx.array:
     """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
     return build_kernel(isinstance(k_pool, QuantPool))(**kernel_launch(
         queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window,
-        softcap=softcap, sinks=sinks, n_simdgroups=n_simdgroups))[0]
+        softcap=softcap, sinks=sinks, chunk=chunk, n_simdgroups=n_simdgroups))[0]
 
 
 def random_problem(
     seed: int, *, context_lens: list[int], q_len: int = 1, n_heads: int = 4, n_kv_heads: int = 2,
     head_dim: int = 64, block_size: int = 16, dtype=mx.float32, window: int | None = None,
     softcap: float | None = None, sinks: bool = False, kv_bits: int | None = None, kv_group: int = 32,
+    chunk: int | None = None,
 ) -> dict:
     """Random paged-attention arguments with shuffled physical blocks.
 
@@ -452,7 +463,7 @@ def random_problem(
         x = mx.array(rng.standard_normal(pool_shape, np.float32)).astype(dtype)
         return x if kv_bits is None else QuantPool(*mx.quantize(x, group_size=kv_group, bits=kv_bits), kv_bits, kv_group)
 
-    extra = {} if softcap is None else {"softcap": softcap}
+    extra = {k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None}
     if sinks:
         extra["sinks"] = mx.array(rng.standard_normal(n_heads, np.float32)).astype(dtype)
     return dict(**extra,
@@ -469,7 +480,7 @@ def random_problem(
 
 def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
     """Problems the kernel must pass: lengths ending inside and on block boundaries,
-    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping, sinks."""
+    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping, sinks, chunks."""
     BS = block_size
     many = (default_simdgroups(head_dim) + 8) * BS + 7  # some simdgroups walk 2 blocks
     return [
@@ -478,6 +489,7 @@ def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
         dict(context_lens=[4 * BS + 1, many], q_len=2, n_heads=8, n_kv_heads=2, window=2 * BS + 3),
         dict(context_lens=[many], q_len=1, n_heads=3, n_kv_heads=1, sinks=True),
         dict(context_lens=[3 * BS + 2, BS], q_len=2, n_heads=4, n_kv_heads=2, window=BS + 1, softcap=2.0),
+        dict(context_lens=[3 * BS + 2, 2 * BS + 1], q_len=3, n_heads=4, n_kv_heads=2, chunk=BS + 3),
     ]
 
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.kv.paged_attention import QuantPool
-from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, write_pool
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, prompt_window, write_pool
 
 SUPPORTED_BITS = (4, 8)
 
@@ -60,7 +60,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         if bits not in SUPPORTED_BITS:
             raise MacinferError(f"KV cache bits must be one of {SUPPORTED_BITS}, got {bits}")
         self.ctx = ctx
-        self.window = spec.window
+        self.window, self.chunk = spec.window, spec.chunk
         self.block_size = block_size
         self.kv_bits = bits
         self.dtype = spec.dtype
@@ -96,7 +96,8 @@ class QuantizedPagedKVCache(PagedKVCache):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         k, v = self.pools()
         return self.ctx.attend(queries, k, v, self.ctx.block_tables, block_size=self.block_size, scale=scale,
-                               window=self.window, sinks=sinks, memo=self.ctx.memo, softcap=softcap)
+                               window=self.window, sinks=sinks, memo=self.ctx.memo, softcap=softcap, chunk=self.chunk,
+                               prompt_window=prompt_window(mask))
 
     @property
     def state(self):
