@@ -236,6 +236,34 @@ def test_llama4_chunks_and_query_scaling_are_what_decide(family):
     assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
 
 
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_llama4_decodes_through_the_kernel_dispatch(family, kv_bits):
+    """The kernel's path for chunked layers: a KernelDispatch over the kernel's algorithm (NumPy; 8-bit KV:
+    QuantPools, dequantised per key) checks each class with its chunk and gives the reference engine's tokens."""
+    from macinfer.kv.kernel_dispatch import KernelDispatch
+
+    model, tok = family("llama4", text_config={**LLAMA4["text_config"], "head_dim": 32})  # 8-bit KV: groups of 32
+    prompts = prompts_for("llama4")[:3]
+    chunks = []
+
+    def kernel(queries, k_pool, v_pool, *a, n_simdgroups=None, **k):
+        chunks.append(k.get("chunk"))
+        return ma.paged_attention_online(queries, k_pool, v_pool, *a, n_partitions=2, **k)
+
+    def tokens(dispatch):
+        engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16,
+                           max_num_seqs=4, kv_bits=kv_bits)
+        engine.runner.ctx.attention_fn = dispatch
+        results = run(engine, [(0, p, SamplingParams(max_tokens=6, ignore_eos=True), f"r{i}")
+                               for i, p in enumerate(prompts)])
+        return [results[f"r{i}"][0].token_ids for i in range(len(prompts))]
+
+    dispatch = KernelDispatch("metal", kernel, paged_attention, timer=lambda fn: 0.0)
+    assert tokens(dispatch) == tokens(None)
+    assert set(chunks) == {6, None}  # the chunked layers' calls carry their chunk, the global layer's none
+    assert set(dispatch.choices.values()) == {"kernel"} and {key[8] for key in dispatch.choices} == {6, None}
+
+
 def mlx_lm_visible(window: int, steps: list[int]) -> dict[int, list[int]]:
     """Which key positions each query sees in mlx-lm, through its own RotatingKVCache(window) asked for a
     (window + 1)-token mask (plamo3), forward by forward of `steps` tokens: position -> visible positions."""

@@ -136,6 +136,30 @@ def test_quantized_pools_and_unsupported_calls():
     assert not dispatch.use_kernel({**args, "v_pool": q8["v_pool"]}, tables)  # float K with quantised V
 
 
+def test_chunk_is_part_of_the_shape_class():
+    """Chunked attention (llama4) is its own class, checked with its chunk: a kernel that ignores the chunk
+    passes the unchunked class and fails the chunked one."""
+
+    class IgnoresChunk(StubKernel):
+        def __call__(self, queries, *a, chunk=None, **k):
+            return super().__call__(queries, *a, **k)
+
+    dispatch = kd.KernelDispatch("metal", IgnoresChunk(), paged_attention, timer=never_timed)
+    args, tables = call_args(2, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dispatch.use_kernel(args, tables)
+        assert not dispatch.use_kernel({**args, "chunk": 8}, tables)
+        assert not dispatch.use_kernel({**args, "chunk": 8}, tables)
+    assert len(caught) == 1 and "disagrees" in str(caught[0].message)
+    assert sorted(dispatch.choices.values()) == ["kernel", "reference"]
+    good = kd.KernelDispatch("metal", StubKernel(), paged_attention, timer=never_timed)
+    assert good.use_kernel({**args, "chunk": 8}, tables) and good.use_kernel({**args, "chunk": 13}, tables)
+    assert len(good.choices) == 2
+    out = good(**{**args, "block_tables": tables, "chunk": 8})
+    np.testing.assert_allclose(np.array(out), np.array(paged_attention(**args, chunk=8)), rtol=1e-5, atol=1e-5)
+
+
 def test_forward_context_routes_one_contiguous_row_to_the_slice():
     """auto: batch 1 over a contiguous run of blocks is mlx-lm's zero-copy slice path, never the kernel;
     a shuffled row and a batch go to the dispatch."""
@@ -155,6 +179,14 @@ def test_forward_context_routes_one_contiguous_row_to_the_slice():
         q_b = mx.zeros((len(lens), 4, 1, 32)) if len(lens) > 1 else q
         ctx.attend(q_b, pool, pool, tables, block_size=8, scale=1.0, window=None, sinks=None, memo={})
         assert asked == want
+    # A chunked layer (llama4) reads its chunk's blocks only: [6] is one slice where [3, 5, 6] is not,
+    # in the same forward (one memo).
+    asked.clear()
+    ctx, memo = ForwardContext(block_tables=[[3, 5, 6]], context_lens=[20], attention_fn=spy), {}
+    for chunk in (None, 8):
+        ctx.attend(q, pool, pool, [[3, 5, 6]], block_size=8, scale=1.0, window=None, sinks=None, memo=memo,
+                   chunk=chunk)
+    assert asked == [1]
     asked.clear()
     spy.prefers_slice = False  # "metal": the kernel even there
     ctx = ForwardContext(block_tables=[[3, 4, 5]], context_lens=[20], attention_fn=spy)

@@ -458,12 +458,14 @@ def test_metal_source_half_types_in_emulator(emulator, dtype):
 
 @pytest.mark.parametrize("bits,dtype,key", [(8, mx.float32, "q8_f32_d64_b8_n3"), (4, mx.float32, "q4_f32_d64_b8_n2"),
                                           (8, mx.float16, "q8_f16_d64_b16_n8")])
-def test_quantized_source_matches_reference_in_emulator(emulator, bits, dtype, key):
-    """8-bit (and 4-bit) KV read by the kernel, each key and value dequantised as it is read."""
+@pytest.mark.parametrize("masking", ["window", "chunk"])
+def test_quantized_source_matches_reference_in_emulator(emulator, bits, dtype, key, masking):
+    """8-bit (and 4-bit) KV read by the kernel, each key and value dequantised as it is read;
+    a sliding window or chunks (llama4) that start mid-block."""
     source, _, D, BS, NSG, _ = CONFIGS[key]
     args = poison_unused_slots(ma.random_problem(
         bits, context_lens=[3 * BS + 2, BS, 7], q_len=3, n_heads=4, n_kv_heads=2, head_dim=D, block_size=BS,
-        dtype=dtype, window=2 * BS + 1, kv_bits=bits))
+        dtype=dtype, kv_bits=bits, **{masking: 2 * BS + 1 if masking == "window" else BS + 3}))
     got = emulator(args, n_simdgroups=NSG)
     tol = 1e-5 if dtype == mx.float32 else ma.TOLERANCE[dtype]
     assert_close(got, ma.paged_attention_online(**args, n_partitions=NSG), tol=tol)
@@ -485,12 +487,14 @@ def test_numpy_dequantize_is_mlx_dequantize(bits):
 def random_args(rng, head_dim, *, block_size=None, kv_bits=None, max_rows=4, max_len=6):
     """A random problem: 1..max_rows rows of ragged lengths, some right-padded (a prefill chunk
     shorter than the batch's q_len: its table covers only its real tokens), GQA 1-3, q_len 1-16,
-    a window, a soft-cap or sinks, shuffled blocks; unused pool slots poisoned with NaN."""
+    a window, a soft-cap, sinks or chunks, shuffled blocks; unused pool slots poisoned with NaN."""
     BS = block_size or int(rng.choice([8, 16]))
     B, QL = int(rng.integers(1, max_rows + 1)), int(rng.integers(1, 17))
     kvh, gqa = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     lens = [int(rng.integers(QL, max_len * BS)) for _ in range(B)]
     extra = [{}, {"window": int(rng.integers(1, 3 * BS))}, {"softcap": 4.0}, {"sinks": True}][int(rng.integers(4))]
+    if rng.random() < 0.3:  # chunked attention (llama4), alone or beside the above
+        extra["chunk"] = int(rng.integers(1, 3 * BS))
     args = ma.random_problem(int(rng.integers(1 << 30)), context_lens=lens, q_len=QL, n_heads=kvh * gqa,
                              n_kv_heads=kvh, head_dim=head_dim, block_size=BS, kv_bits=kv_bits, **extra)
     args["queries"] = args["queries"] * 3  # peakier softmax: a wrong key shows
