@@ -10,10 +10,17 @@ independently and a seeded request is reproducible whatever else is running.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+# Every stop string is searched in the text after each token: a bound keeps that cheap.
+# (OpenAI takes 4; vLLM does not bound them.)
+MAX_STOP_STRINGS = 16
 
 
 @dataclass
@@ -46,26 +53,57 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        # An empty stop string would match before every character: it stops nothing.
-        self.stop = [x for x in self.stop if x]
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
+        # NOTE: the one check the CLI, the server and the Python API share; every message starts
+        # with the field's name (the server reports it as the error's `param`).
+        self.stop = _stop_strings(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0
+                                                                         for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {_show(self.stop_token_ids)}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        _check_real("temperature", self.temperature, lambda x: x >= 0, "must be >= 0")
+        _check_real("top_p", self.top_p, lambda x: 0 < x <= 1, "must be in (0, 1]")
+        _check_real("min_p", self.min_p, lambda x: 0 <= x <= 1, "must be in [0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {_show(self.top_k)}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {_show(self.seed)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    # numpy integers count; True is an int to Python but not a count or a seed.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _show(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _check_real(name: str, x, in_range: Callable[[float], bool], rule: str) -> None:
+    """Raise "NAME RULE, got X" unless x is a finite real number (not a bool) and in_range(x)."""
+    if not (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and in_range(x)):
+        raise ValueError(f"{name} {rule}, got {_show(x)}")
+
+
+def _stop_strings(stop) -> list[str]:
+    """The stop strings as a list: a string is one stop string; None is none; empty strings are dropped.
+
+    An empty stop string would match before every character: it stops nothing.
+    """
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {_show(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    return [x for x in stop if x]
 
 
 class Sampler:
