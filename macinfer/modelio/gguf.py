@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from macinfer.errors import MacinferError
 from macinfer.modelio.gguf_header import BLOCK_LAYOUT, GGUFHeader, read_header
+from macinfer.modelio.gguf_metadata import check_metadata
 from macinfer.modelio.gguf_tokenizer import check_tokenizer, write_tokenizer
 
 Progress = Callable[[int, int, str], None]
@@ -163,6 +164,7 @@ def _check_supported(src: Path, header: GGUFHeader) -> None:
         )
     if md.get("llama.expert_count"):
         raise MacinferError(f"{src}: mixture-of-experts llama GGUF (Mixtral style) is not supported")
+    check_metadata(src, md)
     for name, tname in header.tensor_types.items():
         if name != ROPE_FREQS:
             _hf_name(src, name.rpartition(".")[0])  # raises for tensors llama does not have
@@ -201,9 +203,7 @@ def _config(src: Path, header: GGUFHeader) -> dict:
     def get(key, default=None):
         return md.get(f"llama.{key}", default)
 
-    required = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
-    if missing := [f"llama.{k}" for k in required if not isinstance(get(k), int)]:
-        raise MacinferError(f"{src} lacks required metadata {', '.join(missing)}: it is not a complete llama GGUF")
+    # NOTE: types and ranges were checked by check_metadata (_check_supported).
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     # The embedding's rows are the truth; llama.cpp may pad the token list differently.
