@@ -367,6 +367,19 @@ def test_bad_metadata_through_run_is_one_line(tiny_models, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
+def test_stale_partials_of_a_killed_conversion_are_removed(tiny_gguf, tmp_path):
+    import os
+
+    out = tmp_path / "conv" / "model"
+    stale, fresh, other = (tmp_path / "conv" / n for n in (".model.1-ab.partial", ".model.2-cd.partial",
+                                                            ".other.3-ef.partial"))
+    for d in (stale, fresh, other):
+        d.mkdir(parents=True)
+        os.utime(d, (d.stat().st_mtime - (0 if d == fresh else 7200),) * 2)
+    convert_gguf(tiny_gguf, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".model.2-cd.partial", ".other.3-ef.partial", "model"]
+
+
 def test_output_exists(tiny_gguf, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")
