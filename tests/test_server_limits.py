@@ -2,6 +2,8 @@
 chunked bodies over the size limit (413), a full waiting queue (429 + Retry-After), the API key
 (an empty one, the scheme word's case, an open /health), and tokenising off the event loop."""
 
+import json
+import socket
 import threading
 
 import httpx2 as httpx
@@ -116,6 +118,29 @@ def test_tokenising_runs_off_the_event_loop(served, llm, monkeypatch):
         release.set()
         t.join(60)
     assert slow[0].status_code == 200, slow[0].text
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(served, llm, monkeypatch):
+    """The client sends a long non-streaming request and hangs up. Tokens then flow without a pause,
+    so the disconnect must be noticed between them (it used to be checked only after 0.5 s without
+    a token, and BaseHTTPMiddleware hid it anyway): the request is aborted and its blocks freed."""
+    url, app = served
+    aengine = app.state.server.engine
+    aborted = aengine.num_aborted
+    gate, step = threading.Event(), llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), step())[1])
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while aengine.num_active == 0:
+            threading.Event().wait(0.01)
+    gate.set()  # the client is gone: now let the engine run
+    while llm.engine.has_unfinished() or aengine.num_active:
+        threading.Event().wait(0.01)
+    assert aengine.num_aborted == aborted + 1
+    assert llm.engine.kv_stats()["used_blocks"] == 0
 
 
 def test_too_many_stop_strings_is_a_400_naming_stop(served):

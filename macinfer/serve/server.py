@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
@@ -216,15 +217,18 @@ async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
     task = asyncio.ensure_future(deltas.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll)
-            if done:
-                return task.result()
+            # NOTE: checked before every wait, not only after `poll` seconds without a delta: a
+            # non-streaming request decoding steadily never waits that long, and used to run to
+            # its end for a client that had gone.
             if await http.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
                 await deltas.aclose()
                 return None
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
     except asyncio.CancelledError:
         task.cancel()
         await deltas.aclose()
@@ -284,6 +288,38 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     return app
 
 
+class _RequestChecks:
+    """ASGI middleware: the API key and the announced body size, checked before any route runs.
+
+    NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's
+    disconnect from the route (Request.is_disconnected stays False), so a non-streaming request
+    ran to its end for a client that had gone.
+    """
+
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.max_body_bytes, self.health_auth = max_body_bytes, health_auth
+
+    async def __call__(self, scope, receive, send):
+        error = self._refusal(scope) if scope["type"] == "http" else None
+        if error is None:
+            return await self.app(scope, receive, send)
+        self.metrics.errors.labels(str(error.status)).inc()
+        await error.response()(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        open_route = scope["path"] == "/health" and not self.health_auth
+        if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
+                                                                           self.api_key):
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            None, "invalid_api_key")
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+
 def _too_large(max_body_bytes: int) -> APIError:
     return APIError(413, f"the request body is too large: this server takes at most {max_body_bytes:,} bytes",
                     None, "request_too_large")
@@ -299,25 +335,13 @@ def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | Non
                         health_auth: bool) -> None:
     """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics.
 
-    NOTE: a body announced larger than the limit by its Content-Length is refused by `check_request`,
+    NOTE: a body announced larger than the limit by its Content-Length is refused by _RequestChecks,
     before anything is read; Starlette's RequestBodyLimitMiddleware (inside it) counts the bytes of
     the others (chunked bodies) as the route reads them and raises a 413 HTTPException (`http_error`).
     """
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
-
-    @app.middleware("http")
-    async def check_request(request: Request, call_next):
-        open_route = request.url.path == "/health" and not health_auth
-        if api_key is not None and not open_route and not _authorized(request.headers.get("authorization", ""),
-                                                                      api_key):
-            metrics.errors.labels("401").inc()
-            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                            None, "invalid_api_key").response()
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            metrics.errors.labels("413").inc()
-            return _too_large(max_body_bytes).response()
-        return await call_next(request)
+    app.add_middleware(_RequestChecks, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                       health_auth=health_auth)  # added last: runs first
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
