@@ -62,7 +62,11 @@ class LLM:
         """The prompt's token ids: messages (and tools, OpenAI's function schemas) through the chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise MacinferError("this model has no chat template: send raw text instead")
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+        except Exception as e:  # jinja's TemplateError, raise_exception() in the template, a TypeError in it ...
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MacinferError(f"the model's chat template failed on these messages ({why})") from None
 
     # -- generation ------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:

@@ -355,3 +355,22 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     assert mx.array_equal(k[:, 20:24], full[0][:, 12:16]).item()
     assert mx.array_equal(v[:, 20:24], full[1][:, 12:16]).item()
     assert not k[:, :20].any().item() and not v[:, :20].any().item()
+
+
+def test_stale_temp_files_are_removed_when_a_store_opens(tmp_path):
+    """A process killed mid-write leaves `.<hash>.<pid>.tmp` (outside the size limit): any model's,
+    an hour old, is removed when a store opens; a fresh one (a live writer's) and block files stay."""
+    import os
+
+    from macinfer.core.kv_store import DiskPrefixStore
+
+    (tmp_path / "other").mkdir()
+    names = {"m/.aa.1.tmp": 7200, "other/.bb.2.tmp": 7200, "m/.cc.3.tmp": 0, "other/dd.safetensors": 7200}
+    for name, age in names.items():
+        p = tmp_path / name
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"x" * 10)
+        os.utime(p, (p.stat().st_mtime - age,) * 2)
+    DiskPrefixStore(tmp_path / "m", "m", [], 16, 1 << 30)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*"))
+    assert left == ["m/.cc.3.tmp", "other/dd.safetensors"]

@@ -125,6 +125,11 @@ def test_seeded_sampling_is_reproducible(tiny_models):
         (["{noweights}", "hi"], "no *.safetensors"),
         (["{corrupt}", "hi"], "could not load the weights"),
         (["{unknown}", "hi"], "unknown architecture"),
+        (["{badjson}", "hi"], "config.json is not valid JSON (Expecting"),
+        (["{notobject}", "hi"], "config.json holds a JSON list, not an object"),
+        (["{badvalue}", "hi"], "config.json does not describe a valid llama model"),
+        (["{badtemplate}", "hi"], "chat template failed on these messages (no system messages here)"),
+        (["{typotemplate}", "hi"], "chat template failed on these messages"),
         (["{tiny}", "hi", "--draft", "/nonexistent/draft+ngram"], "no such model '/nonexistent/draft'"),
         (["{tiny}", "hi", "--draft", "+ngram"], "no such model '+ngram'"),
     ],
@@ -134,10 +139,19 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, args, message):
 
     tiny = tiny_models("llama")
     dirs = {}
-    for name in ("nocfg", "noweights", "corrupt", "unknown"):
+    for name in ("nocfg", "noweights", "corrupt", "unknown", "badjson", "notobject", "badvalue", "badtemplate",
+                 "typotemplate"):
         d = tmp_path / name
         shutil.copytree(tiny, d)
         dirs[name] = d
+    (dirs["badjson"] / "config.json").write_text('{"model_type": "llama",')
+    (dirs["notobject"] / "config.json").write_text("[1, 2]")
+    cfg = json.loads((tiny / "config.json").read_text())
+    (dirs["badvalue"] / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    for name, template in (("badtemplate", "{{ raise_exception('no system messages here') }}"),
+                           ("typotemplate", "{{ messages[0]['content'] + 1 }}")):
+        tc = json.loads((tiny / "tokenizer_config.json").read_text())
+        (dirs[name] / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
     (dirs["nocfg"] / "config.json").unlink()
     (dirs["noweights"] / "model.safetensors").unlink()
     data = (dirs["corrupt"] / "model.safetensors").read_bytes()

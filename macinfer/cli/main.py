@@ -108,7 +108,8 @@ def stats_line(s: dict) -> str:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling threshold in (0, 1].")
 @click.option("--top-k", default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
 @click.option("--min-p", default=0.0, show_default=True, help="Drop tokens below min-p x p(top token) (0: off).")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
+@click.option("--seed", type=int, help="Random seed for reproducible sampling (0 to 2**64 - 1).")
+@click.option("--stop", multiple=True, help="End the reply before this text (repeatable).")
 @click.option("--repetition-penalty", default=1.0, show_default=True,
               help="Divide the logits of the last 20 tokens by this (> 1 repeats less; mlx-lm's penalty).")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
@@ -127,7 +128,7 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
-def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, repetition_penalty, no_chat_template, as_json,
+def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template, as_json,
             peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -159,8 +160,8 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, repetitio
     from macinfer.core.sampling import SamplingParams
 
     model, prompt = _model_and_prompt(args)
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens,
-                            repetition_penalty=repetition_penalty)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty)
 
     from macinfer.perf.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from macinfer.errors import MacinferError
+from macinfer.modelio.model_files import check_config
 from macinfer.paths import cache_dir, models_dir
 
 CATALOG = models_dir() / "catalog.json"
@@ -242,8 +243,12 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     from mlx_lm.utils import dequantize_model, get_total_parameters, load_model as mlx_load_model, load_tokenizer
 
     name, path = resolve(spec, progress)
+    model_type = check_config(path, name)["model_type"]
     try:
         model, config = mlx_load_model(path)
+    except (TypeError, ZeroDivisionError, AttributeError) as e:  # the model's ModelArgs / __init__ on bad values
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MacinferError(f"{name}: config.json does not describe a valid {model_type} model ({msg})") from None
     except ValueError as e:
         # One line: mlx's "Missing 9 parameters: \n<name>,\n..." names them on the lines after.
         msg = " ".join(str(e).split()) or type(e).__name__

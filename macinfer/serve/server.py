@@ -31,7 +31,9 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
@@ -56,10 +58,13 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses."""
 
-    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, lenient: bool = False):
+    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_queue: int,
+                 lenient: bool = False):
         self.llm, self.engine, self.model_name, self.metrics = llm, engine, model_name, metrics
         self.lenient = lenient  # accept and ignore unknown request fields
         self.created = int(time.time())
+        self.max_queue = max_queue
+        self.max_num_seqs = engine.engine.config.max_num_seqs
 
     # -- request -> (prompt ids, params) ------------------------------------------------
     def _check_model(self, req: RequestBase) -> None:
@@ -72,11 +77,10 @@ class Server:
         if num_prompt >= ctx:
             raise APIError(400, f"the prompt is {num_prompt} tokens but {self.model_name} holds at most {ctx}: "
                                 "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
                 # None: as much as the context allows. Beyond the context, the engine stops with "length".
                 max_tokens=ctx - num_prompt if max_tokens is None else max_tokens,
                 logprobs=_logprobs(req, chat), presence_penalty=req.presence_penalty,
@@ -117,6 +121,14 @@ class Server:
         except MacinferError as e:
             raise APIError(400, str(e), "prompt") from None
 
+    def _check_queue(self) -> None:
+        """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
+        waiting = self.engine.num_active - self.max_num_seqs
+        if waiting >= self.max_queue:
+            raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
+                                "--max-queue): retry later", None, "queue_full", "server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
     # -- responses -----------------------------------------------------------------------
     @staticmethod
     def _usage(outs: list) -> dict:
@@ -141,9 +153,12 @@ class Server:
         check_known(req, self.lenient)
         check_supported(req)
         tools = request_tools(req.tools, req.tool_choice, self.llm.tokenizer) if chat else None
-        ids = self.chat_prompt(req, tools) if chat else self.completion_prompt(req)
+        # NOTE: tokenising (and the chat template) runs on a worker thread: a long prompt must not
+        # stall the event loop, which serves /health and every other client's stream.
+        ids = await (asyncio.to_thread(self.chat_prompt, req, tools) if chat else asyncio.to_thread(self.completion_prompt, req))
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, chat)
+        self._check_queue()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(i, chat, self.llm.tokenizer, params.logprobs is not None, req.return_token_ids,
                           tools, req.stream) for i in range(req.n)]
@@ -279,42 +294,65 @@ async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
     task = asyncio.ensure_future(deltas.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll)
-            if done:
-                return task.result()
+            # NOTE: checked before every wait, not only after `poll` seconds without a delta: a
+            # non-streaming request decoding steadily never waits that long, and used to run to
+            # its end for a client that had gone.
             if await http.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
                 await deltas.aclose()
                 return None
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
     except asyncio.CancelledError:
         task.cancel()
         await deltas.aclose()
         raise
 
 
-# A request body larger than this is refused before it is read (413): a long prompt is a few
-# hundred KB of text, and parsing and tokenising a huge body would stall every other client.
+# A request body larger than this is refused (413): a long prompt is a few hundred KB of text, and
+# parsing and tokenising a huge body would take memory and time from every other client.
 MAX_BODY_BYTES = 8 << 20
+# Requests waiting for a place in the batch (beyond max_num_seqs running) at most; more get a 429.
+MAX_QUEUE = 256
+RETRY_AFTER_SECONDS = 1
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Refuse an empty key: it would reject every client while looking like no key at all.
+
+    Raises:
+        MacinferError: api_key is "" (or only spaces).
+    """
+    if api_key is not None and not api_key.strip():
+        raise MacinferError("--api-key is empty: give a key, or leave the option out to serve without one")
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
-               max_body_bytes: int = MAX_BODY_BYTES, lenient: bool = False) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
+               lenient: bool = False) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM).
 
     Args:
         api_key: if set, every request must send `Authorization: Bearer <api_key>`.
         model_name: the name clients pass as `model` (default: the model's name).
         engine: the engine to drive; default: the LLM's continuous-batching engine.
-        max_body_bytes: larger request bodies (by their Content-Length) get a 413.
+        max_body_bytes: larger request bodies get a 413 (with or without a Content-Length).
+        max_queue: requests waiting beyond the engine's max_num_seqs at most; more get a 429.
         lenient: accept and ignore unknown request fields (default: a 400 naming the field).
+        health_auth: /health requires the API key too (by default it is open, for load balancers).
+
+    Raises:
+        MacinferError: an empty api_key.
     """
+    check_api_key(api_key)
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
     aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
     metrics.attach(aengine)
-    server = Server(llm, aengine, model_name, metrics, lenient=lenient)
+    server = Server(llm, aengine, model_name, metrics, max_queue=max_queue, lenient=lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -324,28 +362,65 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    _add_error_handling(app, metrics, api_key, max_body_bytes)
+    _add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
 
 
-def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int) -> None:
-    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics."""
+class _RequestChecks:
+    """ASGI middleware: the API key and the announced body size, checked before any route runs.
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            metrics.errors.labels("413").inc()
-            return APIError(413, f"the request body is {int(size):,} bytes; this server takes at most "
-                                 f"{max_body_bytes:,}", None, "request_too_large").response()
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                metrics.errors.labels("401").inc()
-                return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                None, "invalid_api_key").response()
-        return await call_next(request)
+    NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's
+    disconnect from the route (Request.is_disconnected stays False), so a non-streaming request
+    ran to its end for a client that had gone.
+    """
+
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.max_body_bytes, self.health_auth = max_body_bytes, health_auth
+
+    async def __call__(self, scope, receive, send):
+        error = self._refusal(scope) if scope["type"] == "http" else None
+        if error is None:
+            return await self.app(scope, receive, send)
+        self.metrics.errors.labels(str(error.status)).inc()
+        await error.response()(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        open_route = scope["path"] == "/health" and not self.health_auth
+        if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
+                                                                           self.api_key):
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            None, "invalid_api_key")
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+
+def _too_large(max_body_bytes: int) -> APIError:
+    return APIError(413, f"the request body is too large: this server takes at most {max_body_bytes:,} bytes",
+                    None, "request_too_large")
+
+
+def _authorized(header: str, api_key: str) -> bool:
+    """`Bearer <key>`; the scheme word is case-insensitive (RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
+                        health_auth: bool) -> None:
+    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics.
+
+    NOTE: a body announced larger than the limit by its Content-Length is refused by _RequestChecks,
+    before anything is read; Starlette's RequestBodyLimitMiddleware (inside it) counts the bytes of
+    the others (chunked bodies) as the route reads them and raises a 413 HTTPException (`http_error`).
+    """
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
+    app.add_middleware(_RequestChecks, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                       health_auth=health_auth)  # added last: runs first
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -368,6 +443,8 @@ def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
+        if e.status_code == 413:  # RequestBodyLimitMiddleware
+            return await api_error(request, _too_large(max_body_bytes))
         return await api_error(request, APIError(e.status_code, str(e.detail), None, None))
 
 
