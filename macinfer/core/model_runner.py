@@ -15,7 +15,8 @@ are evaluated one after the other (see the NOTE in execute_model).
 
 Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
 a seeded request draws the same tokens whatever else is in the batch. Greedy
-rows share one argmax.
+rows share one argmax. Rows with structured output sample from logits masked by their
+grammar (macinfer.core.grammar); the masks are computed while MLX runs the forward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import mlx.nn as nn
 from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
+from macinfer.core.grammar import apply_masks
 from macinfer.core.lm_head import split_head
 from macinfer.core.scheduler import ScheduledSequence
 
@@ -76,6 +78,8 @@ class ModelRunner:
         # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         self.verifier = None
+        # Structured output (set by the engine): fill_masks(matchers) -> int32 (B, W) token bitmasks.
+        self.fill_masks = None
 
     def set_hidden_sink(self, sink) -> None:
         """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
@@ -220,6 +224,17 @@ class ModelRunner:
                       for g in groups for n in sorted({scheduled[i].num_new_tokens for i in g})]
         return groups
 
+    def _masked(self, rows: list[ScheduledSequence], logits: mx.array) -> mx.array:
+        """The logits with each structured-output row's grammar mask applied (the others as they are).
+
+        The forward is queued first, so the masks are computed (native threads, no GIL) while it runs.
+        """
+        matchers = [r.seq.grammar if r.samples else None for r in rows]
+        if all(m is None for m in matchers):
+            return logits
+        mx.async_eval(logits, [c.state for c in self.caches])
+        return apply_masks(logits, self.fill_masks(matchers))
+
     def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
         """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
 
@@ -231,7 +246,7 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                new = self.verifier(group, rows, self.forward(rows, all_logits=True))
+                new = self.verifier(group, rows, self._masked(rows, self.forward(rows, all_logits=True)))
                 verified += new
                 mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
@@ -239,7 +254,7 @@ class ModelRunner:
 
                     refeed_rejected(self, rows, new, group)
                 continue
-            logits = self.forward(rows)  # (B, V)
+            logits = self._masked(rows, self.forward(rows))  # (B, V)
             greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
             if greedy:
                 picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from macinfer.core.grammar import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,8 @@ class SamplingParams:
         stop: strings that end generation (not included in the text).
         stop_token_ids: extra token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS (benchmarks).
+        structured: the shape the output must have (a JSON schema, a regex, ...), enforced
+            while sampling (macinfer.core.grammar); None: free text.
 
     Example:
         >>> SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=1)
@@ -44,6 +48,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -55,7 +55,7 @@ PAGED_ONLY = {"kv_memory": "paging", "num_blocks": "paging", "block_size": "pagi
               "draft": "speculation", "num_speculative_tokens": "speculation",
               "adaptive_speculation": "speculation", "kv_bits": "quantised KV", "kv_group_size": "quantised KV",
               "attention": "paged attention", "async_scheduling": "async scheduling"}
-OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV")
+OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV", "structured output")
 
 
 @dataclass
@@ -213,6 +213,9 @@ class DenseEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense)."""
+        if params is not None and params.structured is not None:
+            raise MacinferError(f"structured output needs the paged engine; {self.model_type} runs on mlx-lm's "
+                                "fallback engine, which cannot constrain sampling")
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
