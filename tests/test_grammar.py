@@ -169,3 +169,31 @@ def test_apply_masks_bit_order():
     assert np.isfinite(out[1]).all()
     out3 = np.array(apply_masks(mx.zeros((2, 3, V)), mask))  # verify forwards: position 0 only
     assert np.flatnonzero(np.isfinite(out3[0, 0])).tolist() == [5, 63] and np.isfinite(out3[:, 1:]).all()
+
+
+def test_cli_json_schema(tiny_models, tmp_path):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    path = tiny_models("llama")
+    schema = tmp_path / "user.json"
+    schema.write_text(json.dumps(SCHEMA))
+
+    def run(*args):
+        return CliRunner().invoke(main, ["run", str(path), "Describe a user", "--json", "--peak-bandwidth", "100",
+                                         "-n", str(MAX_TOKENS), *args])
+
+    for seed in range(3):
+        r = run("--json-schema", str(schema), "--temp", "1", "--seed", str(seed))
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(got["text"]), SCHEMA)
+    (tmp_path / "bad.json").write_text('{"type": "objec')
+    (tmp_path / "wrong.json").write_text('{"type": "nonsense"}')
+    for bad, why in (("bad.json", "not valid JSON"), ("wrong.json", "Invalid type"), ("missing.json", "cannot read")):
+        r = run("--json-schema", str(tmp_path / bad))
+        assert r.exit_code != 0
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"Error: --json-schema {tmp_path / bad}: ") and why in lines[0], r.output
