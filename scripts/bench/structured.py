@@ -12,11 +12,12 @@ next as one finishes). Each repetition runs these, the order rotating:
   free-sync  as free, with async scheduling off: how much of the cost is the lost pipelining.
 
 Reported: tokens per second of each (generated tokens / wall time of the run, prefill included,
-the same prompts in all three) and the ratios to `free`, medians over --reps.
+the same prompts in all three) and the ratios to `free`, medians over --reps; and CPU seconds
+(all threads) per 1000 tokens, which a busy shared host disturbs less than wall time.
 
 Usage:
-    python scripts/bench/structured.py             # ~3-6 min on 2 shared cores
-    python scripts/bench/structured.py --reps 1 --requests 16
+    python scripts/bench/structured.py             # ~10 min on 2 idle cores
+    python scripts/bench/structured.py --reps 3 --requests 16 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ TOPICS = ["a chef in Lyon", "a pilot from Oslo", "a student in Kyoto", "a farmer
           "a nurse in Lima", "a painter from Porto", "a coder in Austin", "a baker in Vienna"]
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list[int]]:
-    """Wall seconds to finish every request, and each request's generated token count."""
-    t0 = time.perf_counter()
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, float, list[int]]:
+    """Wall and CPU seconds (every thread) to finish every request, and each one's generated token count."""
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, [len(o.token_ids) for o in outs]
+    return time.perf_counter() - t0, time.process_time() - c0, [len(o.token_ids) for o in outs]
 
 
 def main() -> None:
@@ -81,6 +82,7 @@ def main() -> None:
     schema_params = [SamplingParams(temperature=0.7, seed=s, max_tokens=args.max_tokens, structured=structured)
                      for s in seeds]
     tps: dict[str, list[float]] = {"schema": [], "free": [], "free-sync": []}
+    cpu: dict[str, list[float]] = {n: [] for n in tps}  # CPU seconds per 1000 tokens
     lengths = None
     for rep in range(args.reps):
         # The schema run comes first once (its token counts define the free runs), then the order rotates.
@@ -88,19 +90,23 @@ def main() -> None:
         names = names[rep % 3:] + names[: rep % 3] if rep else names
         for name in names:
             if name == "schema":
-                t, got = run(llm, prompts, schema_params)
+                t, c, got = run(llm, prompts, schema_params)
                 lengths = lengths or got
             else:
                 engine.config.async_scheduling = name == "free"
-                t, got = run(llm, prompts, [SamplingParams(temperature=0.7, seed=s, max_tokens=n, ignore_eos=True)
+                t, c, got = run(llm, prompts, [SamplingParams(temperature=0.7, seed=s, max_tokens=n, ignore_eos=True)
                                             for s, n in zip(seeds, lengths)])
                 engine.config.async_scheduling = True
             assert got == lengths, "every run must generate the same tokens counts (seeded sampling)"
             tps[name].append(sum(lengths) / t)
+            cpu[name].append(1000 * c / sum(lengths))
         print(f"rep {rep}: {sum(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f} per request); "
               + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in tps.items()))
     med = {n: statistics.median(v) for n, v in tps.items()}
+    mcpu = {n: statistics.median(v) for n, v in cpu.items()}
     print("median tok/s: " + ", ".join(f"{n} {v:.1f}" for n, v in med.items()))
+    print("median CPU s per 1000 tokens: " + ", ".join(f"{n} {v:.1f}" for n, v in mcpu.items())
+          + f"; schema / free: {mcpu['schema'] / mcpu['free']:.3f}")
     print(f"schema / free: {med['schema'] / med['free']:.3f}  (cost {100 * (1 - med['schema'] / med['free']):.1f}%); "
           f"schema / free-sync: {med['schema'] / med['free-sync']:.3f}; free-sync / free: "
           f"{med['free-sync'] / med['free']:.3f}")
