@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -114,6 +115,8 @@ def stats_line(s: dict) -> str:
               help="Divide the logits of the last 20 tokens by this (> 1 repeats less; mlx-lm's penalty).")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="The reply is JSON valid under the JSON schema in FILE (enforced while sampling).")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
 @click.option("--attention", type=click.Choice(["auto", "metal", "reference"]), default="auto", show_default=True,
@@ -128,8 +131,8 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
-def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
+def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
+            as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -149,6 +152,10 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     shipped for the model with lookup (smollm2-135m+ngram). Off by default
     (with drafts, a --seed run is not reproducible: k depends on timing).
 
+    --json-schema FILE constrains the reply to JSON valid under that schema: every
+    token is sampled from those the grammar allows (llguidance), and the reply
+    ends as soon as the JSON is complete.
+
     \b
     Examples:
       macinfer run "What is the capital of France?"
@@ -156,12 +163,14 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
+      macinfer run "Describe Paris as JSON" --json-schema city.json
     """
     from macinfer.core.sampling import SamplingParams
 
     model, prompt = _model_and_prompt(args)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty)
+                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty,
+                            structured=_read_schema(json_schema) if json_schema else None)
 
     from macinfer.perf.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM
@@ -201,6 +210,22 @@ def _model_and_prompt(args: tuple[str, ...]) -> tuple[str | None, str]:
     if not prompt.strip():
         raise MacinferError("the prompt is empty: give some text to complete")
     return model, prompt
+
+
+def _read_schema(path: Path):
+    """--json-schema FILE as a StructuredOutput, checked before the model loads."""
+    from macinfer.core.grammar import StructuredOutput
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MacinferError(f"--json-schema {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        structured = StructuredOutput(json_schema=text)
+        structured.lark()
+    except ValueError as e:
+        raise MacinferError(f"--json-schema {path}: {e}") from None
+    return structured
 
 
 def _print_details(llm) -> None:

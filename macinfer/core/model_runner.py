@@ -16,7 +16,8 @@ are evaluated one after the other (see the NOTE in execute_model).
 Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
 a seeded request draws the same tokens whatever else is in the batch. Greedy
 rows share one argmax, except `per_row` ones (penalties, logit_bias, logprobs:
-`sample_row`), which never carry drafts.
+`sample_row`), which never carry drafts. Rows with structured output sample from logits masked by
+their grammar (macinfer.core.grammar); the masks are computed while MLX runs the forward.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mlx.nn as nn
 from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
+from macinfer.core.grammar import apply_masks
 from macinfer.core.lm_head import split_head
 from macinfer.core.logprobs import LogprobRows
 from macinfer.core.scheduler import ScheduledSequence
@@ -79,6 +81,8 @@ class ModelRunner:
         # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         self.verifier = None
+        # Structured output (set by the engine): fill_masks(matchers) -> int32 (B, W) token bitmasks.
+        self.fill_masks = None
 
     def set_hidden_sink(self, sink) -> None:
         """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
@@ -231,7 +235,7 @@ class ModelRunner:
 
     def _verify(self, group: list[int], rows: list[ScheduledSequence], pending: list) -> list:
         """A forward holding drafts: the verifier's rows, and per_row rows (no drafts) sampled into pending."""
-        logits = self.forward(rows, all_logits=True)  # (B, L, V)
+        logits = self._masked(rows, self.forward(rows, all_logits=True))  # (B, L, V)
         own = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.per_row]
         if not own:
             return self.verifier(group, rows, logits)
@@ -269,6 +273,17 @@ class ModelRunner:
                       for g in groups for n in sorted({scheduled[i].num_new_tokens for i in g})]
         return groups
 
+    def _masked(self, rows: list[ScheduledSequence], logits: mx.array) -> mx.array:
+        """The logits with each structured-output row's grammar mask applied (the others as they are).
+
+        The forward is queued first, so the masks are computed (native threads, no GIL) while it runs.
+        """
+        matchers = [r.seq.grammar if r.samples else None for r in rows]
+        if all(m is None for m in matchers):
+            return logits
+        mx.async_eval(logits, [c.state for c in self.caches])
+        return apply_masks(logits, self.fill_masks(matchers))
+
     def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
         """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
 
@@ -289,7 +304,7 @@ class ModelRunner:
 
                     refeed_rejected(self, rows, new, group)
                 continue
-            logits = self.forward(rows)  # (B, V)
+            logits = self._masked(rows, self.forward(rows))  # (B, V)
             greedy = [j for j, r in enumerate(rows)
                       if r.samples and r.seq.sampler.params.greedy and not r.seq.sampler.per_row]
             if greedy:

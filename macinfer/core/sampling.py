@@ -22,6 +22,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from macinfer.core.grammar import StructuredOutput
 from macinfer.core.logprobs import MAX_TOP_LOGPROBS
 
 
@@ -52,6 +53,8 @@ class SamplingParams:
         repetition_penalty: a multiplicative penalty (> 0; 1 disables it), as in mlx-lm.
         repetition_context_size: the last tokens the three penalties look at (mlx-lm's 20).
         logit_bias: token id -> a bias (-100 to 100) added to its logit.
+        structured: the shape the output must have (a JSON schema, a regex, ...), enforced
+            while sampling (macinfer.core.grammar); None: free text.
 
     Example:
         >>> SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=1)
@@ -72,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         # NOTE: the one check the CLI, the server and the Python API share; every message starts
@@ -105,6 +109,8 @@ class SamplingParams:
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
             _check_real("logit_bias", bias, lambda x: -100 <= x <= 100, f"values must be numbers from -100 to 100 (token {tok})")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -72,6 +72,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.sampler = Sampler(params)
+        # Structured output: an llguidance matcher that has consumed exactly the generated tokens
+        # (macinfer.core.grammar), set by the engine; None: free text.
+        self.grammar = None
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.num_preemptions = 0
         # n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).

@@ -57,7 +57,7 @@ PAGED_ONLY = {"kv_memory": "paging", "num_blocks": "paging", "block_size": "pagi
               "draft": "speculation", "num_speculative_tokens": "speculation",
               "adaptive_speculation": "speculation", "kv_bits": "quantised KV", "kv_group_size": "quantised KV",
               "attention": "paged attention", "async_scheduling": "async scheduling"}
-OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV")
+OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV", "structured output")
 
 
 @dataclass
@@ -218,6 +218,9 @@ class DenseEngine:
                     fork_of: str | None = None) -> str:
         """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense,
         so a fork (`fork_of`) shares nothing and runs as a request of its own)."""
+        if params is not None and params.structured is not None:
+            raise MacinferError(f"structured output needs the paged engine; {self.model_type} runs on mlx-lm's "
+                                "fallback engine, which cannot constrain sampling")
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

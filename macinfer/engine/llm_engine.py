@@ -30,6 +30,7 @@ import uuid
 
 
 from macinfer.core.block_pool import BlockPool
+from macinfer.core.grammar import GrammarCompiler, advance
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 from macinfer.core.model_runner import ModelRunner
@@ -107,6 +108,9 @@ class LLMEngine(PipelinedSteps):
             # and its accepted tokens fed again (macinfer.core.state_pool.refeed_rejected).
             check_drafter(self.spec.drafter, self.runner, model_type)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.grammars = GrammarCompiler(getattr(tokenizer, "_tokenizer", tokenizer), _logits_width(model, tokenizer),
+                                        list(self.eos_token_ids))
+        self.runner.fill_masks = self.grammars.fill_masks
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
         self._inflight: InFlight | None = None  # a launched decode step not yet read back
@@ -176,8 +180,8 @@ class LLMEngine(PipelinedSteps):
             The request id.
 
         Raises:
-            MacinferError: empty prompt, prompt longer than the context, or a
-                prompt whose KV could never fit in the pool.
+            MacinferError: empty prompt, prompt longer than the context, a prompt whose KV
+                could never fit in the pool, or a structured output grammar that is invalid.
         """
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         n = len(seq.prompt_token_ids)
@@ -188,6 +192,11 @@ class LLMEngine(PipelinedSteps):
         parent = self.requests.get(fork_of) if fork_of is not None else None
         if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
             seq.fork_of = parent
+        if seq.params.structured is not None:
+            try:
+                seq.grammar = self.grammars.matcher(seq.params.structured)
+            except ValueError as e:
+                raise MacinferError(str(e)) from None
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -290,11 +299,16 @@ class LLMEngine(PipelinedSteps):
         p = seq.params
         status = None
         logprob, seq.pending_logprob = seq.pending_logprob, None
+        complete = seq.grammar is not None and advance(seq.grammar, tok)  # nothing but EOS may follow
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
+        elif complete and tok in self.eos_token_ids:  # ignore_eos: the grammar still ends here
+            status = SequenceStatus.FINISHED_STOPPED
         else:
             seq.append_token(tok, logprob)
             if p.stop and self._truncate_at_stop(seq):
+                status = SequenceStatus.FINISHED_STOPPED
+            elif complete:
                 status = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= seq.max_tokens:
                 status = SequenceStatus.FINISHED_LENGTH
@@ -346,4 +360,11 @@ class LLMEngine(PipelinedSteps):
         )
         self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
         self.requests.pop(seq.request_id, None)
+        seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta
+
+
+def _logits_width(model, tokenizer) -> int:
+    """The number of columns of the model's logits: its config's vocab_size, else the tokenizer's."""
+    width = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(width) if isinstance(width, int) and width > 0 else len(getattr(tokenizer, "_tokenizer", tokenizer))

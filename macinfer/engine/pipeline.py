@@ -64,7 +64,8 @@ class PipelinedSteps:
         """The sequences the next step can decode without reading anything back, or [].
 
         Pipelining only covers the steady state: every running sequence decoding, nobody
-        waiting who could be admitted, no drafts, a free slot for each row without preempting.
+        waiting who could be admitted, no drafts, a free slot for each row without preempting,
+        no structured output (its mask for step n+1 needs step n's token).
         With a step in flight, a sequence whose pending token is its last (max_tokens)
         is left out: it is certain to finish.
         """
@@ -73,7 +74,8 @@ class PipelinedSteps:
         # queue is longer than max_num_seqs still runs its full batch ahead.
         admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
         if (not self.config.async_scheduling or admissible
-                or not running or (len(running) > 1 and not self.runner.batch_decode)):
+                or not running or (len(running) > 1 and not self.runner.batch_decode)
+                or any(s.grammar is not None for s in running)):
             return []
         if prev is None:
             if any(s.num_uncomputed_tokens != 1 for s in running):

@@ -5,7 +5,9 @@ field is refused with a 400 naming it (`check_known`), since a silently ignored 
 (a misspelt `max_token`, a penalty we lacked) changes the output behind the client's
 back; `macinfer serve --lenient` accepts and ignores them instead. Fields that would
 change the output and that macinfer cannot honour are refused by `check_supported`.
-vLLM's extensions (top_k, min_p, ignore_eos, return_token_ids) are fields like any other.
+vLLM's extensions (top_k, min_p, ignore_eos, return_token_ids, guided_json / guided_regex /
+guided_choice / guided_grammar) are fields like any other. `response_format` and the guided_*
+fields become the request's StructuredOutput (`structured_output`), enforced while sampling.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from macinfer.core.grammar import StructuredOutput
 
 
 class APIError(Exception):
@@ -36,6 +40,22 @@ MAX_N = 16  # choices per request at most (each is a sequence of its own)
 # -- request schemas ----------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class RequestBase(BaseModel):
@@ -69,9 +89,11 @@ class RequestBase(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Structured output: declared so it is not an unknown field; its enforcement is
-    # wired by the structured-output code, which reads it from here untouched.
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -128,6 +150,43 @@ def check_supported(req: RequestBase) -> None:
     for bad, param, msg in checks:
         if bad:
             raise APIError(400, msg, param, "unsupported_parameter")
+
+
+def structured_output(req: RequestBase) -> StructuredOutput | None:
+    """The shape the request's output must have: `response_format` or one guided_* field (None: free text).
+
+    A json_schema is enforced whether or not `strict` is set (as llama.cpp does): a client that
+    sends a schema wants output that follows it.
+
+    Raises:
+        APIError: 400 naming the field: more than one given, or an invalid schema / regex / grammar.
+    """
+    rf = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    given = {name: value for name, value in [
+        ("response_format", rf), ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+        ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)] if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(given)}, not several", list(given)[1])
+    (param, value), = given.items()
+    try:
+        if param == "response_format":
+            if value.type == "json_object":
+                so = StructuredOutput(json_object=True)
+            elif value.json_schema is None or value.json_schema.schema_ is None:
+                raise APIError(400, "response_format.json_schema.schema is required for type json_schema",
+                               "response_format.json_schema.schema")
+            else:
+                so = StructuredOutput(json_schema=value.json_schema.schema_)
+        else:
+            field = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                     "guided_grammar": "grammar"}[param]
+            so = StructuredOutput(**{field: value})
+        so.lark()  # checks the schema, regex or grammar now, for a 400 that names the field
+        return so
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
 
 
 def message_text(m: ChatMessage, i: int) -> str:

@@ -10,7 +10,10 @@ Design choices:
   so every bad request gets a 4xx with OpenAI's error body and the first streamed
   byte is only sent once the engine has accepted the request.
 - Extensions beyond OpenAI's schema, as vLLM names them: top_k, min_p, ignore_eos,
-  return_token_ids (each choice, or streamed chunk, then carries `token_ids`).
+  return_token_ids (each choice, or streamed chunk, then carries `token_ids`),
+  guided_json / guided_regex / guided_choice / guided_grammar.
+- Structured output (`response_format` json_object / json_schema, the guided_* fields) is
+  enforced while sampling, by a grammar mask on each token (macinfer.core.grammar).
 
 The request bodies, their checks and the error body are in macinfer.serve.schemas.
 """
@@ -48,6 +51,7 @@ from macinfer.serve.schemas import (
     check_known,
     check_supported,
     message_text,
+    structured_output,
 )
 from macinfer.serve.tools import request_tools, template_messages
 
@@ -80,7 +84,7 @@ class Server:
         try:
             return SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, structured=structured_output(req),
                 # None: as much as the context allows. Beyond the context, the engine stops with "length".
                 max_tokens=ctx - num_prompt if max_tokens is None else max_tokens,
                 logprobs=_logprobs(req, chat), presence_penalty=req.presence_penalty,

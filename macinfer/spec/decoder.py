@@ -293,7 +293,8 @@ class SpecDecoder:
         decodes = []
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], None
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+            # Structured output is not drafted: its matcher advances on accepted tokens only.
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.grammar is None:
                 decodes.append(seq)
         K, offers, kinds = self._choose(decodes, 1)
         if self._planned and not K and self.adaptive:
