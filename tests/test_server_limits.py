@@ -5,6 +5,7 @@ chunked bodies over the size limit (413), a full waiting queue (429 + Retry-Afte
 import json
 import socket
 import threading
+import time
 
 import httpx2 as httpx
 import openai
@@ -66,7 +67,9 @@ def test_full_queue_gets_429_with_retry_after(served, llm, monkeypatch):
     url, app = served
     aengine = app.state.server.engine
     gate, step = threading.Event(), llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), step())[1])
+    # Each step waits for the gate, then 10 ms: 480 tokens take seconds, so a loaded host's event loop
+    # still sees the hang-up long before the request could end on its own.
+    monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), time.sleep(0.01), step())[2])
     results = []
     threads = [threading.Thread(target=lambda: results.append(httpx.post(url + "/v1/chat/completions", json=CHAT,
                                                                          timeout=60)))
@@ -128,7 +131,9 @@ def test_non_streaming_client_that_leaves_aborts_its_request(served, llm, monkey
     aengine = app.state.server.engine
     aborted = aengine.num_aborted
     gate, step = threading.Event(), llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), step())[1])
+    # Each step waits for the gate, then 10 ms: 480 tokens take seconds, so a loaded host's event loop
+    # still sees the hang-up long before the request could end on its own.
+    monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), time.sleep(0.01), step())[2])
     body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}).encode()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
