@@ -342,9 +342,10 @@ def _stats_runner(**backend):
     import tui.runner as runner_mod
     from macinfer.perf.bandwidth import PeakBandwidth
 
-    b = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False,
-                        info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
-                        kv_stats=lambda: None, peak_memory=lambda: None, **backend)
+    b = SimpleNamespace(**{"peak": PeakBandwidth(100.0, "flag"), "prefix_cache": False,
+                           "info": SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
+                           "kv_stats": lambda: None, "peak_memory": lambda: None,
+                           "request_metrics": lambda rid: None, **backend})
     runner = runner_mod.EngineRunner(lambda spec: b, lambda message: None)
     runner.backend = b
     return runner
@@ -387,3 +388,34 @@ def test_live_figures_at_a_clock_reading_of_zero():
     assert stats.ttft == pytest.approx(0.5)
     assert stats.decode_tps == pytest.approx(1.0)  # 2 tokens after the first, in 2 s
     assert stats.bandwidth == pytest.approx(1e9 * 1.0 / 100e9)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cached, prompt_cached", [(0, False), (32, False), (48, True)])
+async def test_live_prefill_counts_computed_tokens_and_says_when_the_prompt_was_cached(monkeypatch, cached,
+                                                                                       prompt_cached):
+    """The prefill figure counts only the prompt tokens the engine computed; when the prefix cache
+    held the whole prompt there is no rate to show, and the panel says so."""
+    import tui.runner as runner_mod
+    from macinfer.core.metrics import RequestMetrics
+    from macinfer.core.outputs import StreamDelta
+
+    m = RequestMetrics(prompt_tokens=50, cached_tokens=cached, prompt_cached=prompt_cached)
+    runner = _stats_runner(step=lambda: [StreamDelta("r", "x", [5])], speculation=False,
+                           request_metrics=lambda rid: m if rid == "r" else None)
+    runner.live["r"] = runner_mod._Live("r", prompt_tokens=50, arrival=9.5)
+    monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: 10.0)
+    runner._step()
+    stats = runner._stats(runner.live["r"], 10.0)
+    assert stats.prompt_cached is prompt_cached
+    assert stats.prefill_tps == (None if prompt_cached else pytest.approx((50 - cached) / 0.5))
+    from textual.app import App
+
+    class PanelApp(App):
+        def compose(self):
+            yield MetricsPanel()
+
+    async with PanelApp().run_test() as pilot:
+        panel = pilot.app.query_one(MetricsPanel)
+        panel.update_stats(stats)
+        assert panel.figures["prefill"] == ("prompt cached" if prompt_cached else f"{(50 - cached) / 0.5:.1f} tok/s")

@@ -49,6 +49,7 @@ class Stats:
 
     ttft: float | None = None
     prefill_tps: float | None = None
+    prompt_cached: bool = False  # the prefix cache held the whole prompt: no prefill rate
     decode_tps: float | None = None
     step_tps: tuple[float, ...] = ()  # recent per-step decode rates, oldest first
     bandwidth: float | None = None  # fraction of peak

@@ -131,6 +131,9 @@ class StubBackend:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def request_metrics(self, request_id: str) -> None:
+        return None  # no engine, no prefix cache
+
     # -- what the engine can tell ------------------------------------------------------
     def kv_stats(self) -> KVStats:
         held = sum(len(r["prompt"]) + r["done"] for r in self.requests.values())
