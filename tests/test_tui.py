@@ -160,7 +160,7 @@ async def test_slash_commands(tiny, tmp_path):
         await send(pilot, "Hello")
         await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
         out = tmp_path / "chat.md"
-        await send(pilot, f"/save {out}")
+        await send(pilot, f"/export {out}")
         text = out.read_text()
         assert "## System\n\nBe brief." in text and "## User\n\nHello" in text and "## Assistant" in text
         assert not list(tmp_path.glob(".*tmp"))  # written atomically, no temp file left
@@ -419,3 +419,75 @@ async def test_live_prefill_counts_computed_tokens_and_says_when_the_prompt_was_
         panel = pilot.app.query_one(MetricsPanel)
         panel.update_stats(stats)
         assert panel.figures["prefill"] == ("prompt cached" if prompt_cached else f"{(50 - cached) / 0.5:.1f} tok/s")
+
+
+@pytest.mark.anyio
+async def test_save_load_and_resume_a_conversation(tiny, tmp_path, monkeypatch):
+    """/save writes JSON (atomically); /load and `macinfer chat --resume` bring back the turns, the
+    system prompt, the sampling settings and the model, and the next turn sends the whole history."""
+    import json
+
+    from macinfer.cli.chat import chat_cmd
+
+    saved = tmp_path / "chat.json"
+    app = ChatApp(tiny, peak_bandwidth=100, system="Be brief.", max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await send(pilot, "Hello")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        turns = [dict(t) for t in app.session.turns]
+        await send(pilot, f"/save {saved}")
+        assert notices(app)[-1].startswith(f"saved 2 turns to {saved}")
+        assert not list(tmp_path.glob(".*tmp"))
+        data = json.loads(saved.read_text())
+        assert data == {"format": "macinfer-chat/1", "model": tiny,
+                        "sampling": {"temperature": 0.0, "max_tokens": 6, "seed": None},
+                        "messages": [{"role": "system", "content": "Be brief."}, *turns]}
+
+        await send(pilot, "/clear")
+        await send(pilot, "/system -")
+        await send(pilot, "/load /no/such/chat.json")
+        assert "/load: cannot read /no/such/chat.json" in notices(app)[-1] and app.session.turns == []
+        await send(pilot, f"/load {saved}")
+        assert app.session.turns == turns and app.session.system == "Be brief." and app.session.max_tokens == 6
+        assert [r.text for r in app.chat.query(Reply)] == [turns[1]["content"]]
+        assert "loaded 2 turns" in notices(app)[-1] and app.chat.loading_what is None  # same model: no reload
+
+    # `macinfer chat --resume`, through the command itself; an option given on the line wins.
+    apps = []
+    monkeypatch.setattr(ChatApp, "run", lambda self: apps.append(self))
+    r = CliRunner().invoke(chat_cmd, ["--resume", str(saved), "--max-tokens", "4", "--peak-bandwidth", "100"])
+    assert r.exit_code == 0, r.output
+    app = apps[0]
+    assert app.model_spec == tiny and app.session.max_tokens == 4 and app.session.system == "Be brief."
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert app.session.turns == turns
+        assert [str(w.render()) for w in app.chat.query(".user")] == ["Hello"]
+        assert [r.text for r in app.chat.query(Reply)] == [turns[1]["content"]]
+        await send(pilot, "And again?")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply after resuming")
+        history = app.session.messages()[:-1]
+        assert [m["role"] for m in history] == ["system", "user", "assistant", "user"]
+        want = len(app.runner.backend.llm.apply_chat_template(history))
+        assert app.chat.query_one(MetricsPanel).figures["tokens"] == f"{want} in, 4 out"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not JSON (line 1)"),
+    ('{"format": "macinfer-chat/1", "model": null, "sampling": {"temperature": -1, "max_tokens": 5}, '
+     '"messages": []}', "sampling.temperature must be a number >= 0, got -1"),
+    ('{"format": "macinfer-chat/1", "model": null, "sampling": {"temperature": 0, "max_tokens": 5}, '
+     '"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]}', "messages[1]"),
+    ('[1, 2]', "not a macinfer chat file"),
+])
+def test_resume_from_a_bad_file_is_one_line_and_starts_nothing(tmp_path, monkeypatch, content, message):
+    from macinfer.cli.chat import chat_cmd
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    monkeypatch.setattr(ChatApp, "run", lambda self: pytest.fail("the app must not start"))
+    r = CliRunner().invoke(chat_cmd, ["--resume", str(bad)])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and message in r.output, r.output
+    missing = CliRunner().invoke(chat_cmd, ["--resume", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 1 and "cannot read" in missing.output and missing.output.count("\n") == 1

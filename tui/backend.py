@@ -106,7 +106,7 @@ class ChatBackend:
             peak_gbps=self.peak.gbps if self.peak else None,
             peak_source=self.peak.source if self.peak else None,
             prefix_cache=self.prefix_cache, speculation=self.speculation,
-            attention=getattr(self.engine, "attention_backend", "reference"),
+            attention=getattr(self.engine, "attention_backend", "reference"), spec=self.spec,
         )
 
     def close(self) -> None:

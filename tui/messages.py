@@ -41,6 +41,7 @@ class ModelCard:
     prefix_cache: bool | None  # None: this engine has no prefix cache
     speculation: bool | None  # None: this engine cannot speculate
     attention: str = "reference"  # the engine's attention backend: "metal" or "reference"
+    spec: str | None = None  # MODEL as it was asked for (None: the embedded default): what /save records
 
 
 @dataclass
