@@ -491,3 +491,20 @@ def test_resume_from_a_bad_file_is_one_line_and_starts_nothing(tmp_path, monkeyp
     assert r.exit_code == 1 and r.output.count("\n") == 1 and message in r.output, r.output
     missing = CliRunner().invoke(chat_cmd, ["--resume", str(tmp_path / "nope.json")])
     assert missing.exit_code == 1 and "cannot read" in missing.output and missing.output.count("\n") == 1
+
+
+@pytest.mark.anyio
+async def test_load_switches_to_the_saved_model(tmp_path):
+    """A file saved with another model brings that model back (the stub engine: no weights)."""
+    from tui.session import ChatSession
+
+    saved = ChatSession(system="Be brief.", turns=[{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Hello."}])
+    path = saved.save(tmp_path / "chat.json", model="other-model")
+    app, backends = stub_app(rate=1000)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert app.chat.card.spec is None
+        await send(pilot, f"/load {path}")
+        await wait_for(pilot, lambda: app.chat.card.spec == "other-model", what="the saved model")
+        assert [b.spec for b in backends] == [None, "other-model"] and app.session == saved

@@ -20,6 +20,7 @@ from tui import commands
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed, ReplyFinished,
                           ReplyText, StatsUpdate)
 from tui.runner import Abort, Generate, Load, SetOption
+from tui.session import ChatSession
 from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
 from tui.widgets.transcript import Reply
 
@@ -325,7 +326,7 @@ class ChatScreen(Screen):
     async def cmd_load(self, arg: str) -> None:
         if not arg:
             raise ValueError("give a file name, e.g. /load chat.json")
-        loaded, spec = self.session.load(arg)
+        loaded, spec = ChatSession.load(arg)
         await self.cmd_clear("")
         self.app.session = loaded
         await self.show_resumed(arg, spec)
