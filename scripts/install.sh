@@ -92,7 +92,8 @@ case "$strategy" in
       command -v apt-get >/dev/null || { echo "error: $PY -m venv failed: install your distribution's venv package and rerun" >&2; exit 1; }
       SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
       rm -rf .venv
-      run $SUDO apt-get install -y -qq "python$version-venv" >/dev/null && run "$PY" -m venv .venv
+      { run $SUDO apt-get install -y -qq "python$version-venv" >/dev/null && run "$PY" -m venv .venv; } \
+        || { echo "error: could not create .venv: install python$version-venv (apt) and rerun" >&2; exit 1; }
     fi
     PY=.venv/bin/python; bin_dir="$PWD/.venv/bin" ;;
 esac
