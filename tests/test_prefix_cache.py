@@ -186,6 +186,10 @@ def test_hits_give_the_same_tokens_as_cache_off_and_mlx_lm(load):
         assert out.token_ids == without[rid][0].token_ids == oracle(model, p, 12)[0], rid
         assert out.metrics.cached_tokens == want_cached[rid], rid
         assert without[rid][0].metrics.cached_tokens == 0
+        # "same": every full block before the last token was a hit; "on": 7 tokens left to compute.
+        m = out.metrics
+        assert m.prompt_cached == (rid in ("same", "same2")) and not without[rid][0].metrics.prompt_cached, rid
+        assert m.prefill_tps == (None if m.prompt_cached else (len(p) - m.cached_tokens) / m.ttft), rid
     s = cached.kv_stats()
     assert s["prefix_hit_tokens"] == 56 and s["prefix_hit_rate"] == pytest.approx(56 / sum(map(len, prompts.values())))
     assert s["cached_blocks"] > 0 and s["blocks_evicted"] == 0
@@ -319,8 +323,11 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
 
     cold = json.loads(run_cli("--json").stdout.strip().splitlines()[-1])
     warm = run_cli()
-    assert "cached)" in warm.stderr.strip().splitlines()[-1]
+    line = warm.stderr.strip().splitlines()[-1]
+    assert "cached) | TTFT" in line and "| prompt cached |" in line and "prefill" not in line
     warm = json.loads(run_cli("--json").stdout.strip().splitlines()[-1])
+    assert warm["prompt_cached"] and warm["prefill_tps"] is None
+    assert not cold["prompt_cached"] and cold["prefill_tps"] == pytest.approx(cold["prompt_tokens"] / cold["ttft_s"])
     off = json.loads(run_cli("--json", "--no-prefix-cache").stdout.strip().splitlines()[-1])
     assert cold["cached_tokens"] == 0 == off["cached_tokens"]
     assert warm["cached_tokens"] == (warm["prompt_tokens"] - 1) // 16 * 16 > 0

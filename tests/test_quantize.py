@@ -146,6 +146,20 @@ def test_quantized_source_is_dequantized_then_requantized(tiny_models, tmp_path)
     assert logits(model, tok).shape[-1] == json.loads((src / "config.json").read_text())["vocab_size"]
 
 
+def test_size_line_says_larger_when_the_output_grows(tiny_models, tmp_path):
+    """4-bit -> 8-bit grows the weights: the report says so instead of "0.6x smaller"."""
+    from macinfer.units import fmt_size_change
+
+    quantize(str(tiny_models("llama")), tmp_path / "q4", QuantConfig(bits=4, group_size=32))
+    r = cli(quantize_cmd, tmp_path / "q4", tmp_path / "q8", "--bits", 8, "--group-size", 32)
+    assert r.exit_code == 0, r.output
+    before, after = weight_bytes(tmp_path / "q4"), weight_bytes(tmp_path / "q8")
+    line = next(x for x in r.output.splitlines() if x.strip().startswith("size"))
+    assert line.endswith(f"({after / before:.2f}x larger)") and after > before, line
+    assert fmt_size_change(after, before) == f"{after / before:.2f}x smaller"
+    assert fmt_size_change(1000, 1001) == "same size"
+
+
 def test_force_replaces_existing_out(tiny_models, tmp_path):
     src = tiny_models("llama")
     out = tmp_path / "q"

@@ -45,7 +45,8 @@ def test_chat_template_and_system_prompt(tiny_models):
 
 def test_stats_line_and_streamed_text(tiny_models):
     path = tiny_models("qwen2")
-    r = run(path, PROMPT, "-n", 8, "--no-chat-template", "--peak-bandwidth", 100)
+    # No prefix cache: another test may have cached this prompt ("prompt cached" then, no prefill rate).
+    r = run(path, PROMPT, "-n", 8, "--no-chat-template", "--peak-bandwidth", 100, "--no-prefix-cache")
     assert r.exit_code == 0, r.output
     line = r.stderr.strip().splitlines()[-1]
     for field in ("prompt", "TTFT", "prefill", "generated", "decode", "peak mem", "bandwidth"):
@@ -56,8 +57,9 @@ def test_stats_line_and_streamed_text(tiny_models):
 def test_stats_line_splits_drafts_by_drafter():
     from macinfer.cli.main import stats_line
 
-    s = {"prompt_tokens": 9, "cached_tokens": 0, "ttft_s": 0.1, "prefill_tps": 90.0, "generation_tokens": 40,
-         "decode_tps": 12.0, "peak_memory_bytes": 2**20, "bandwidth_utilisation": None, "draft_tokens": 30,
+    s = {"prompt_tokens": 9, "cached_tokens": 0, "ttft_s": 0.1, "prefill_tps": 90.0, "prompt_cached": False,
+         "generation_tokens": 40, "decode_tps": 12.0, "peak_memory_bytes": 2**20, "bandwidth_utilisation": None,
+         "draft_tokens": 30,
          "accepted_tokens": 21, "acceptance_rate": 0.7, "accepted_per_step": 1.5,
          "lookup_draft_tokens": 20, "lookup_accepted_tokens": 18}
     assert stats_line(s).endswith("draft acceptance 70% (1.50 accepted/step; lookup 18/20, model 3/10)")

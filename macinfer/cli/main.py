@@ -59,6 +59,7 @@ def run_stats(out, info, peak) -> dict:
         "cached_tokens": m.cached_tokens,
         "ttft_s": m.ttft,
         "prefill_tps": m.prefill_tps,
+        "prompt_cached": m.prompt_cached,
         "generation_tokens": m.generation_tokens,
         "decode_tps": m.decode_tps,
         "peak_memory_bytes": mx.get_peak_memory(),
@@ -83,7 +84,7 @@ def stats_line(s: dict) -> str:
     parts = [
         f"prompt {s['prompt_tokens']} tok" + (f" ({s['cached_tokens']} cached)" if s["cached_tokens"] else ""),
         f"TTFT {f(s['ttft_s'], '.2f')} s",
-        f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
+        "prompt cached" if s["prompt_cached"] else f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
         f"generated {s['generation_tokens']} tok",
         f"decode {f(s['decode_tps'], '.1f')} tok/s",
         f"peak mem {fmt_bytes(s['peak_memory_bytes'])}",

@@ -172,7 +172,10 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             self._admitted(seq)
             if seq.num_preemptions == 0:
+                # A hit ends on a block boundary before the last prompt token, so the whole prompt
+                # was cached when no more than one block is left to compute.
                 seq.metrics.cached_tokens = num_cached
+                seq.metrics.prompt_cached = num_cached > 0 and seq.num_tokens - num_cached <= pool.block_size
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
