@@ -36,7 +36,8 @@ class LLM:
         engine: "auto" (paged, else mlx-lm's BatchGenerator), "paged" or "mlx-lm"
             (module docstring); `self.engine_kind` says which one runs.
         parallel: under mlx.launch with several ranks, how the model is split: "tensor",
-            "pipeline" or "auto" (tensor); None, or a single rank, runs in this process alone.
+            "pipeline" or "auto" (tensor where mlx-lm can, else pipeline); None, or a single rank,
+            runs in this process alone.
 
     Example:
         >>> llm = LLM()
@@ -56,6 +57,7 @@ class LLM:
         self.model, self.tokenizer, self.info = load_model(
             model, dequantize=dequantize, **({"group": self.ranks.group, "parallel": self.ranks.parallel} if self.ranks else {}))
         if self.ranks is not None:
+            self.ranks.parallel = self.info.extra["parallel"]
             engine_options = distributed.engine_options(self.ranks, engine_options)
             if not self.ranks.is_leader:  # serve rank 0's forwards until it stops, then leave
                 follower = LLMEngine(self.model, self.tokenizer, self.info, ranks=self.ranks, **engine_options)

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from macinfer.cli.options import engine_option, one_line
+from macinfer.cli.options import engine_option, one_line, parallel_option
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 
@@ -125,8 +125,10 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
+@parallel_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
+            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
+            parallel):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -153,6 +155,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
+      mlx.launch --hostfile hosts.json --backend ring -- macinfer run MODEL "Hello"   # across Macs
     """
     from macinfer.core.sampling import SamplingParams
 
@@ -173,7 +176,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
-    llm = LLM(model, dequantize=dequantize, engine=engine, **options)
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **options)
     info = llm.info
     if verbose:
         _print_details(llm)

@@ -50,7 +50,7 @@ from macinfer.core.model_runner import ModelRunner
 from macinfer.errors import MacinferError
 
 FORWARD, HEARTBEAT, STOP = 1, 2, 3
-PARALLEL = ("tensor", "pipeline")
+PARALLEL = ("auto", "tensor", "pipeline")
 
 
 class Ranks:
@@ -58,7 +58,7 @@ class Ranks:
 
     Args:
         group: an mx.distributed group of more than one rank.
-        parallel: "tensor" or "pipeline" (how the model is split).
+        parallel: "tensor" or "pipeline" (how the model is split; "auto" until the loader chose).
         timeout: seconds a step or a promised plan may take (default MACINFER_DIST_TIMEOUT or 30).
     """
 
@@ -183,14 +183,14 @@ def _decode_rows(body: list[int], n_rows: int):
 def join(parallel: str | None, backend: str = "any") -> Ranks | None:
     """This process's Ranks when it was started with more than one rank (mlx.launch), else None.
 
-    parallel None or "auto": single process if there is one rank, else "tensor".
+    parallel: "tensor", "pipeline" or "auto" (the loader chooses: macinfer.modelio.loader.shard_model).
     On the leader, the followers are released at exit; on every rank, mlx.launch's SIGTERM
     (another rank failed) ends the process with one line.
     """
     group = mx.distributed.init(backend=backend)
     if group.size() == 1:
         return None
-    ranks = Ranks(group, "tensor" if parallel in (None, "auto") else parallel)
+    ranks = Ranks(group, parallel or "auto")
     if ranks.is_leader:
         atexit.register(ranks.stop)
     if threading.current_thread() is threading.main_thread():

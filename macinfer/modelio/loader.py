@@ -227,8 +227,14 @@ def dequantize_by_default(num_params: int, quantized: bool) -> bool:
     return 4 * num_params <= min(DEQUANTIZE_MAX_BYTES, memory // 4 if memory else DEQUANTIZE_MAX_BYTES)
 
 
-def shard_model(model, config: dict, name: str, group, parallel: str) -> None:
+def shard_model(model, config: dict, name: str, group, parallel: str) -> str:
     """Split a (lazily loaded) model over group's ranks with mlx-lm's own `shard()` / `model.pipeline()`.
+
+    Args:
+        parallel: "tensor", "pipeline", or "auto" (tensor where mlx-lm can, else pipeline).
+
+    Returns:
+        The split used: "tensor" or "pipeline".
 
     Raises:
         MacinferError: the architecture has no such split in mlx-lm, or its heads (tensor) or
@@ -238,6 +244,8 @@ def shard_model(model, config: dict, name: str, group, parallel: str) -> None:
     text = config.get("text_config", config)
     can_tensor = hasattr(model, "shard")
     can_pipeline = hasattr(getattr(model, "model", None), "pipeline")
+    if parallel == "auto":
+        parallel = "pipeline" if can_pipeline and not can_tensor else "tensor"
     other = {"tensor": ("pipeline", can_pipeline), "pipeline": ("tensor", can_tensor)}[parallel]
     hint = f": try --parallel {other[0]}" if other[1] else ": run it in one process"
     if parallel == "tensor":
@@ -256,6 +264,7 @@ def shard_model(model, config: dict, name: str, group, parallel: str) -> None:
             raise MacinferError(f"{name}: {len(model.model.layers)} layers cannot be split over {n} ranks: "
                                 f"use at most {len(model.model.layers)}")
         model.model.pipeline(group)
+    return parallel
 
 
 def load_model(spec: str | None = None, *, dequantize: bool | None = None, progress=None,
@@ -267,7 +276,8 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
         dequantize: turn quantised weights into float; None decides by host
             (`dequantize_by_default`: yes without Metal, where it is the fast configuration).
         group: an mx.distributed group to split the model over (`shard_model`); None: whole.
-        parallel: with a group, "tensor" or "pipeline".
+        parallel: with a group, "tensor", "pipeline" or "auto" (`shard_model`); the one used
+            is `info.extra["parallel"]`.
 
     Returns:
         (model, tokenizer, ModelInfo); the tokenizer is mlx-lm's TokenizerWrapper.
@@ -297,7 +307,7 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if group is not None:
-        shard_model(model, config, name, group, parallel)
+        parallel = shard_model(model, config, name, group, parallel)
     if not mx.metal.is_available():
         _cast_for_cpu(model)
     try:
@@ -306,6 +316,8 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
         raise MacinferError(f"{name}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     mx.eval(model.parameters())
     info = model_info(name, path, model, config)
+    if group is not None:
+        info.extra["parallel"] = parallel
     if dequantize and quantized:
         info.extra["dequantized_from"] = quantized + (" (no Metal: float32 is the fast configuration here)"
                                                       if by_host else "")

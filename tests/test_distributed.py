@@ -1,0 +1,128 @@
+"""Across ranks (macinfer.engine.distributed): two local processes under `mlx.launch -n 2 --backend ring`.
+
+The oracle is the same engine in one process: greedy output under 2 ranks (tensor, and
+pipeline) is token-for-token the single-process output for a staggered batch of 8 requests
+in a KV pool small enough to preempt. Each rank runs tests/dist_worker.py. Bad launch
+settings are checked in-process (shard_model reads only the group's size before refusing).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from macinfer.core.sampling import SamplingParams
+from macinfer.errors import MacinferError
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+# 11 usable blocks x 4 tokens for 8 requests of 13 to 34 tokens: preemption.
+ENGINE = dict(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+def workload() -> list:
+    """(arrival step, prompt ids, params, request id) for tests/driver.run: 8 staggered requests."""
+    rng = random.Random(0)
+    return [(2 * i, [rng.randrange(3, 300) for _ in range(5 + 3 * i)], SamplingParams(max_tokens=8, ignore_eos=True),
+             f"r{i}") for i in range(8)]
+
+
+def _free_port() -> int:
+    """A port p with p and p + 1 free (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        p = random.randrange(20000, 60000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _launch(model: Path, out: Path, parallel: str, *extra: str) -> subprocess.CompletedProcess:
+    launch = shutil.which("mlx.launch")
+    if launch is None:
+        pytest.skip("mlx.launch is not installed (it comes with mlx)")
+    cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--",
+           sys.executable, str(WORKER), str(model), str(out), parallel, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent)
+
+
+def _single_process(model: Path) -> dict:
+    import driver
+
+    from macinfer.llm import LLM
+
+    llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE)  # off across ranks: the same schedule
+    outputs = driver.run(llm.engine, workload())
+    return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions}
+
+
+@pytest.mark.parametrize("arch,layers,parallel", [("llama", 2, "tensor"), ("qwen2", 3, "pipeline")])
+def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel):
+    """Staggered greedy batch with preemption: 2 ranks == 1 process, token for token (pipeline: 2 + 1 layers)."""
+    model = tiny_models(arch, num_layers=layers)
+    res = _launch(model, tmp_path / "out.json", parallel)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    want = _single_process(model)
+    assert want["preemptions"] > 0
+    assert got == want
+    assert "Traceback" not in res.stderr
+
+
+def test_a_dying_rank_stops_the_other_with_one_line(tiny_models, tmp_path):
+    """Rank 1 is killed mid-generation: rank 0 exits non-zero with one line, no traceback, no hang."""
+    res = _launch(tiny_models("llama", num_layers=2), tmp_path / "out.json", "tensor", "20")
+    assert "rank 0 exited with code 1" in res.stderr  # mlx.launch's own report (its exit status is 0)
+    assert not (tmp_path / "out.json").exists()
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: rank 0 of 2")]
+    assert len(lines) == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+class _Group:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+def _lazy(path):
+    from mlx_lm.utils import load_model
+
+    return load_model(Path(path), lazy=True)
+
+
+@pytest.mark.parametrize("ranks,parallel,arch,message", [
+    (4, "tensor", "llama", "its 2 KV heads do not split evenly over 4 ranks"),
+    (3, "tensor", "llama", "its 4 attention heads do not split evenly over 3 ranks"),
+    (2, "pipeline", "llama", "mlx-lm cannot pipeline llama: try --parallel tensor"),
+    (3, "pipeline", "qwen2", "2 layers cannot be split over 3 ranks: use at most 2"),
+])
+def test_bad_launch_settings_are_one_line(tiny_models, ranks, parallel, arch, message):
+    from macinfer.modelio.loader import shard_model
+
+    model, config = _lazy(tiny_models(arch))
+    with pytest.raises(MacinferError, match=message):
+        shard_model(model, config, "tiny", _Group(ranks), parallel)
+
+
+def test_auto_is_tensor_where_mlx_lm_can_else_pipeline(tiny_models, monkeypatch):
+    from macinfer.modelio.loader import shard_model
+
+    model, config = _lazy(tiny_models("qwen2"))
+    with pytest.raises(MacinferError, match="4 attention heads do not split evenly over 3 ranks"):
+        shard_model(model, config, "tiny", _Group(3), "auto")
+    monkeypatch.delattr(type(model), "shard")
+    with pytest.raises(MacinferError, match="2 layers cannot be split over 3 ranks"):
+        shard_model(model, config, "tiny", _Group(3), "auto")
