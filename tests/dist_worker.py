@@ -15,11 +15,10 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the worktree's macinfer
-import macinfer  # noqa: F401,E402  (OpenBLAS before mlx)
+import macinfer  # noqa: F401  (OpenBLAS before mlx; found through PYTHONPATH, set by the test)
 
-import driver  # noqa: E402
-from test_distributed import ENGINE, workload  # noqa: E402
+import driver
+from test_distributed import ENGINE, workload
 
 
 def main(model: str, out: str, parallel: str, die_after: int | None = None) -> None:

@@ -9,6 +9,7 @@ settings are checked in-process (shard_model reads only the group's size before 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -53,7 +54,8 @@ def _launch(model: Path, out: Path, parallel: str, *extra: str) -> subprocess.Co
         pytest.skip("mlx.launch is not installed (it comes with mlx)")
     cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--",
            sys.executable, str(WORKER), str(model), str(out), parallel, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent)
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}  # this checkout's macinfer on every rank
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent, env=env)
 
 
 def _single_process(model: Path) -> dict:
