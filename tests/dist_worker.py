@@ -3,7 +3,8 @@
     python3 dist_worker.py MODEL OUT.json PARALLEL [DIE_AFTER]
 
 Every rank constructs the same LLM; rank 0 drives the staggered workload of
-test_distributed.workload() and writes {request id: token ids, "preemptions": n} to OUT.json.
+test_distributed.workload() and writes {request id: token ids, "preemptions": n, "forwards": plans sent}
+to OUT.json.
 DIE_AFTER: rank 1 kills itself (SIGKILL) after that many forwards, mid-generation.
 """
 
@@ -45,6 +46,7 @@ def main(model: str, out: str, parallel: str, die_after: int | None = None) -> N
     outputs = driver.run(llm.engine, workload())
     result = {rid: o.token_ids for rid, o in outputs.items()}
     result["preemptions"] = llm.engine.scheduler.num_preemptions
+    result["forwards"] = llm.engine.kv_stats()["plans"]  # one plan per forward (no heartbeats: not serving)
     Path(out).write_text(json.dumps(result))
     llm.close()
 

@@ -64,13 +64,18 @@ def _single_process(model: Path) -> dict:
     from macinfer.llm import LLM
 
     llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE)  # off across ranks: the same schedule
+    runner, forwards = llm.engine.runner, []
+    run = runner.run_forward
+    runner.run_forward = lambda *a, **k: forwards.append(1) or run(*a, **k)
     outputs = driver.run(llm.engine, workload())
-    return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions}
+    return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions,
+                                                                "forwards": len(forwards)}
 
 
 @pytest.mark.parametrize("arch,layers,parallel", [("llama", 2, "tensor"), ("qwen2", 3, "pipeline")])
 def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel):
-    """Staggered greedy batch with preemption: 2 ranks == 1 process, token for token (pipeline: 2 + 1 layers)."""
+    """Staggered greedy batch with preemption: 2 ranks == 1 process, token for token (pipeline: 2 + 1 layers),
+    with the same schedule (preemptions) and one plan sent per forward."""
     model = tiny_models(arch, num_layers=layers)
     res = _launch(model, tmp_path / "out.json", parallel)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -128,3 +133,20 @@ def test_auto_is_tensor_where_mlx_lm_can_else_pipeline(tiny_models, monkeypatch)
     monkeypatch.delattr(type(model), "shard")
     with pytest.raises(MacinferError, match="2 layers cannot be split over 3 ranks"):
         shard_model(model, config, "tiny", _Group(3), "auto")
+
+
+def test_metrics_show_the_ranks_and_the_plan_time():
+    from macinfer.serve.metrics import ServerMetrics
+
+    class Engine:
+        def kv_stats(self):
+            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25}
+
+    class Loop:
+        engine, num_active, peak_batch, num_aborted = Engine(), 0, 1, 0
+
+    metrics = ServerMetrics()
+    metrics.attach(Loop())
+    page = metrics.render()[0].decode()
+    for line in ("macinfer_ranks 2.0", "macinfer_distributed_plans_total 7.0", "macinfer_distributed_plan_seconds_total 0.25"):
+        assert line in page.splitlines()

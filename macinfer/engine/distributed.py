@@ -81,6 +81,10 @@ class Ranks:
     def __repr__(self) -> str:
         return f"rank {self.rank} of {self.size} ({self.parallel} parallel)"
 
+    def stats(self) -> dict:
+        """For kv_stats and /metrics: ranks, plans sent, host seconds in plan exchanges (waits included)."""
+        return {"ranks": self.size, "plans": self.num_plans, "plan_seconds": self.comm_seconds}
+
     # -- the plan exchange -------------------------------------------------------------
     def _broadcast(self, values: list[int] | None, n: int) -> list[int]:
         """Rank 0's n int32 values on every rank (the others pass None)."""

@@ -163,6 +163,7 @@ class LLMEngine(PipelinedSteps):
             **prefix_cache_stats(self.block_pool),
             **(self.state_pool.stats() if self.state_pool is not None else {}),
             **(self.snapshots.stats_dict() if self.snapshots is not None else {}),
+            **(self.ranks.stats() if self.ranks is not None else {}),
         }
 
     # -- requests -----------------------------------------------------------------------
