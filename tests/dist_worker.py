@@ -46,7 +46,9 @@ def main(model: str, out: str, parallel: str, die_after: int | None = None) -> N
     outputs = driver.run(llm.engine, workload())
     result = {rid: o.token_ids for rid, o in outputs.items()}
     result["preemptions"] = llm.engine.scheduler.num_preemptions
-    result["forwards"] = llm.engine.kv_stats()["plans"]  # one plan per forward (no heartbeats: not serving)
+    stats = llm.engine.kv_stats()
+    result["forwards"] = stats["plans"]  # one plan per forward (no heartbeats: not serving)
+    result["ranks_report_memory"] = len(stats["rank_memory_bytes"]) == 2 and min(stats["rank_memory_bytes"]) > 0
     Path(out).write_text(json.dumps(result))
     llm.close()
 

@@ -80,6 +80,7 @@ def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parall
     res = _launch(model, tmp_path / "out.json", parallel)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads((tmp_path / "out.json").read_text())
+    assert got.pop("ranks_report_memory")  # both ranks' active memory reached rank 0
     want = _single_process(model)
     assert want["preemptions"] > 0
     assert got == want
@@ -140,7 +141,7 @@ def test_metrics_show_the_ranks_and_the_plan_time():
 
     class Engine:
         def kv_stats(self):
-            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25}
+            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25, "rank_memory_bytes": [3 << 20, 5 << 20]}
 
     class Loop:
         engine, num_active, peak_batch, num_aborted = Engine(), 0, 1, 0
@@ -148,5 +149,7 @@ def test_metrics_show_the_ranks_and_the_plan_time():
     metrics = ServerMetrics()
     metrics.attach(Loop())
     page = metrics.render()[0].decode()
-    for line in ("macinfer_ranks 2.0", "macinfer_distributed_plans_total 7.0", "macinfer_distributed_plan_seconds_total 0.25"):
+    for line in ("macinfer_ranks 2.0", "macinfer_distributed_plans_total 7.0", "macinfer_distributed_plan_seconds_total 0.25",
+                 'macinfer_rank_active_memory_bytes{rank="0"} 3.145728e+06',
+                 'macinfer_rank_active_memory_bytes{rank="1"} 5.24288e+06'):
         assert line in page.splitlines()

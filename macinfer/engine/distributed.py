@@ -18,10 +18,11 @@ enter together, in the same order, with the same shapes. So:
   would skip the collectives after the last K/V write (the last layer's MLP all_sum, a pipeline
   stage's send) on one rank and not on another: a deadlock.
 
-A plan on the wire (int32; each part is an all_sum of the leader's array and the others' zeros):
+A plan on the wire (int32; the other ranks send zeros where only rank 0's values count):
 
-    header   (4,)  [kind, num_rows, payload_len, seconds until the next plan at the latest (0: no promise)]
-    payload        per row: [start, num_tokens, table_len, *tokens, *block_table]
+    header   (ranks, 5)  all_gather of [kind, num_rows, payload_len, seconds until the next plan at the
+                         latest (0: no promise), this rank's active memory in KiB]: row 0's fields count
+    payload              all_sum; per row: [start, num_tokens, table_len, *tokens, *block_table]
 
 Off across ranks (one line on rank 0 when asked for): speculative decoding, async scheduling
 (the next plan needs this step's tokens on the host), the prefix cache's disk tier. Models with
@@ -71,6 +72,7 @@ class Ranks:
         self.timeout = timeout or float(os.environ.get("MACINFER_DIST_TIMEOUT") or 30)
         self.heartbeats = False  # the leader promises a plan (or a heartbeat) within the timeout
         self.comm_seconds = 0.0  # host time spent in plan exchanges
+        self.memory: list[int] = []  # each rank's active memory (bytes) at the last plan
         self.num_plans = 0
         self._deadline: float | None = None  # set while a watched collective runs
         self._what = ""
@@ -82,8 +84,10 @@ class Ranks:
         return f"rank {self.rank} of {self.size} ({self.parallel} parallel)"
 
     def stats(self) -> dict:
-        """For kv_stats and /metrics: ranks, plans sent, host seconds in plan exchanges (waits included)."""
-        return {"ranks": self.size, "plans": self.num_plans, "plan_seconds": self.comm_seconds}
+        """For kv_stats and /metrics: ranks, plans sent, host seconds in plan exchanges (waits included),
+        each rank's active memory at the last plan."""
+        return {"ranks": self.size, "plans": self.num_plans, "plan_seconds": self.comm_seconds,
+                "rank_memory_bytes": list(self.memory)}
 
     # -- the plan exchange -------------------------------------------------------------
     def _broadcast(self, values: list[int] | None, n: int) -> list[int]:
@@ -94,10 +98,16 @@ class Ranks:
         return y.tolist()
 
     def _exchange(self, kind: int, payload: list[int] | None, n_rows: int = 0) -> tuple[int, int, list[int]]:
+        """One plan: the header (all_gather: rank 0's fields, and every rank's active memory), then the payload."""
         t0 = time.perf_counter()
         promise = int(self.timeout) if self.heartbeats else 0
-        header = [kind, n_rows, len(payload or []), promise] if self.is_leader else None
-        kind, n_rows, size, promise = self._broadcast(header, 4)
+        mine = [kind, n_rows, len(payload or []), promise] if self.is_leader else [0, 0, 0, 0]
+        header = mx.distributed.all_gather(mx.array(mine + [mx.get_active_memory() >> 10], dtype=mx.int32),
+                                           group=self.group, stream=mx.cpu)
+        mx.eval(header)
+        rows = header.reshape(self.size, 5).tolist()
+        kind, n_rows, size, promise = rows[0][:4]
+        self.memory = [r[4] << 10 for r in rows]  # KiB: int32 holds up to 2 TiB
         body = self._broadcast(payload, size) if size else []
         self.comm_seconds += time.perf_counter() - t0
         self.num_plans += 1
@@ -124,7 +134,7 @@ class Ranks:
 
     def heartbeat(self) -> None:
         """Leader, idle: tell the followers it is alive (and promise the next plan within the timeout)."""
-        if not self._stopped:
+        if self.is_leader and not self._stopped:
             self.heartbeats = True
             with self.watch("another rank stopped answering a heartbeat"):
                 self._exchange(HEARTBEAT, None)
@@ -135,6 +145,10 @@ class Ranks:
             self._stopped = True
             with self.watch("another rank stopped answering while told to stop"):
                 self._exchange(STOP, None)
+
+    def abandon(self) -> None:
+        """Leader: no more exchanges (not even STOP at exit): a step broke off mid-forward."""
+        self._stopped = True
 
     def agree_min(self, n: int) -> int:
         """The smallest n over the ranks (KV blocks: each rank's pool must fit its own memory)."""
@@ -147,14 +161,16 @@ class Ranks:
     @contextmanager
     def watch(self, what: str, seconds: float | None = -1.0):
         """Run collectives under the watchdog (`seconds`: None = no limit, -1 = the timeout);
-        a lost peer (MLX raises RuntimeError) ends the process with one line. Nests: the inner
-        watch's limit holds while it runs, then the outer one's again."""
+        a lost peer (MLX's backends raise RuntimeError("[ring] ...")) ends the process with one line.
+        Nests: the inner watch's limit holds while it runs, then the outer one's again."""
         outer = self._deadline, self._what
         self._what = what
         self._deadline = None if seconds is None else time.monotonic() + (self.timeout if seconds < 0 else seconds)
         try:
             yield
         except RuntimeError as e:
+            if not str(e).startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]")):
+                raise
             self.fail(f"lost the connection to another rank ({str(e).splitlines()[0]})")
         finally:
             self._deadline, self._what = outer
@@ -233,7 +249,13 @@ class LeaderRunner(ModelRunner):
 
     def execute_model(self, scheduled):
         with self.ranks.watch("another rank stopped answering during a step"):
-            return super().execute_model(scheduled)
+            try:
+                return super().execute_model(scheduled)
+            except BaseException:
+                # The followers may be inside this forward's collectives, where a STOP would not pair
+                # up: send nothing more; this process's exit closes the sockets and ends them.
+                self.ranks.abandon()
+                raise
 
 
 def follow(runner: ModelRunner, ranks: Ranks) -> int:

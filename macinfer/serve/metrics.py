@@ -100,6 +100,11 @@ class _EngineCollector:
             yield CounterMetricFamily("macinfer_distributed_plan_seconds",
                                       "Seconds rank 0 spent sending plans, waiting for the other ranks included",
                                       value=stats["plan_seconds"])
+            memory = GaugeMetricFamily("macinfer_rank_active_memory_bytes", "Each rank's active MLX memory at the "
+                                       "last plan", labels=["rank"])
+            for rank, value in enumerate(stats["rank_memory_bytes"]):
+                memory.add_metric([str(rank)], value)
+            yield memory
         yield CounterMetricFamily("macinfer_requests_aborted", "Requests aborted (client disconnected)",
                                   value=aengine.num_aborted)
         m = self.metrics
