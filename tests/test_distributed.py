@@ -153,3 +153,14 @@ def test_metrics_show_the_ranks_and_the_plan_time():
                  'macinfer_rank_active_memory_bytes{rank="0"} 3.145728e+06',
                  'macinfer_rank_active_memory_bytes{rank="1"} 5.24288e+06'):
         assert line in page.splitlines()
+
+
+def test_chat_under_mlx_launch_is_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    r = CliRunner().invoke(main, ["chat"])
+    assert r.exit_code == 1 and r.output.strip() == (
+        "Error: chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) or `macinfer run`")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from macinfer.cli.options import engine_option
+from macinfer.errors import MacinferError
 
 
 @click.command("chat")
@@ -37,6 +40,9 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
     """
     from tui.app import ChatApp  # light: MLX and the model load on the engine thread, behind a progress bar
 
+    if os.environ.get("MLX_RANK") is not None:  # set by mlx.launch on every rank
+        raise MacinferError("chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) "
+                            "or `macinfer run`")
     options = {"engine": engine, **({"kv_memory": kv_memory} if kv_memory else {})}
     if draft:
         options["draft"] = draft
