@@ -1,11 +1,11 @@
 """What each rank runs in tests/test_distributed.py, started by `mlx.launch -n 2 --backend ring`.
 
-    python3 dist_worker.py MODEL OUT.json PARALLEL [DIE_AFTER]
+    python3 dist_worker.py MODEL OUT.json PARALLEL OPTIONS.json [DIE_AFTER]
 
 Every rank constructs the same LLM; rank 0 drives the staggered workload of
 test_distributed.workload() and writes {request id: token ids, "preemptions": n, "forwards": plans sent}
 to OUT.json.
-DIE_AFTER: rank 1 kills itself (SIGKILL) after that many forwards, mid-generation.
+OPTIONS: engine options on top of test_distributed.ENGINE. DIE_AFTER: rank 1 kills itself (SIGKILL) after that many forwards, mid-generation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import driver
 from test_distributed import ENGINE, workload
 
 
-def main(model: str, out: str, parallel: str, die_after: int | None = None) -> None:
+def main(model: str, out: str, parallel: str, options: dict, die_after: int | None = None) -> None:
     from macinfer.engine import distributed
     from macinfer.llm import LLM
 
@@ -42,7 +42,7 @@ def main(model: str, out: str, parallel: str, die_after: int | None = None) -> N
             return follow(runner, ranks)
 
         distributed.follow = dying_follow
-    llm = LLM(model, parallel=parallel, engine="paged", **ENGINE)  # the other ranks stay in here
+    llm = LLM(model, parallel=parallel, engine="paged", **ENGINE, **options)  # the other ranks stay in here
     outputs = driver.run(llm.engine, workload())
     result = {rid: o.token_ids for rid, o in outputs.items()}
     result["preemptions"] = llm.engine.scheduler.num_preemptions
@@ -54,4 +54,4 @@ def main(model: str, out: str, parallel: str, die_after: int | None = None) -> N
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    main(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]) if len(sys.argv) > 5 else None)

@@ -28,10 +28,12 @@ ENGINE = dict(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_token
 
 
 def workload() -> list:
-    """(arrival step, prompt ids, params, request id) for tests/driver.run: 8 staggered requests."""
+    """(arrival step, prompt ids, params, request id) for tests/driver.run: 8 staggered requests, the
+    last one sharing r5's prompt (a prefix-cache hit)."""
     rng = random.Random(0)
-    return [(2 * i, [rng.randrange(3, 300) for _ in range(5 + 3 * i)], SamplingParams(max_tokens=8, ignore_eos=True),
-             f"r{i}") for i in range(8)]
+    prompts = [[rng.randrange(3, 300) for _ in range(5 + 3 * i)] for i in range(8)]
+    prompts[7] = prompts[5] + [9]
+    return [(2 * i, p, SamplingParams(max_tokens=8, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)]
 
 
 def _free_port() -> int:
@@ -48,40 +50,44 @@ def _free_port() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _launch(model: Path, out: Path, parallel: str, *extra: str) -> subprocess.CompletedProcess:
+def _launch(model: Path, out: Path, parallel: str, options: dict, *extra: str) -> subprocess.CompletedProcess:
     launch = shutil.which("mlx.launch")
     if launch is None:
         pytest.skip("mlx.launch is not installed (it comes with mlx)")
     cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--",
-           sys.executable, str(WORKER), str(model), str(out), parallel, *extra]
+           sys.executable, str(WORKER), str(model), str(out), parallel, json.dumps(options), *extra]
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}  # this checkout's macinfer on every rank
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent, env=env)
 
 
-def _single_process(model: Path) -> dict:
+def _single_process(model: Path, options: dict) -> dict:
     import driver
 
     from macinfer.llm import LLM
 
-    llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE)  # off across ranks: the same schedule
+    llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE, **options)  # off across ranks: same schedule
     runner, forwards = llm.engine.runner, []
     run = runner.run_forward
     runner.run_forward = lambda *a, **k: forwards.append(1) or run(*a, **k)
     outputs = driver.run(llm.engine, workload())
+    assert outputs["r7"].metrics.cached_tokens > 0
     return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions,
                                                                 "forwards": len(forwards)}
 
 
-@pytest.mark.parametrize("arch,layers,parallel", [("llama", 2, "tensor"), ("qwen2", 3, "pipeline")])
-def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel):
-    """Staggered greedy batch with preemption: 2 ranks == 1 process, token for token (pipeline: 2 + 1 layers),
-    with the same schedule (preemptions) and one plan sent per forward."""
-    model = tiny_models(arch, num_layers=layers)
-    res = _launch(model, tmp_path / "out.json", parallel)
+@pytest.mark.parametrize("arch,layers,parallel,options", [
+    ("llama", 2, "tensor", {"kv_bits": 8}),  # hidden 128: head_dim 32, a KV quantisation group
+    ("qwen2", 3, "pipeline", {}),  # 2 + 1 layers
+])
+def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel, options):
+    """Staggered greedy batch with preemption and a prefix-cache hit: 2 ranks == 1 process, token for
+    token, with the same schedule (preemptions) and one plan sent per forward."""
+    model = tiny_models(arch, num_layers=layers, **({"hidden_size": 128} if options else {}))
+    res = _launch(model, tmp_path / "out.json", parallel, options)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert got.pop("ranks_report_memory")  # both ranks' active memory reached rank 0
-    want = _single_process(model)
+    want = _single_process(model, options)
     assert want["preemptions"] > 0
     assert got == want
     assert "Traceback" not in res.stderr
@@ -89,7 +95,7 @@ def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parall
 
 def test_a_dying_rank_stops_the_other_with_one_line(tiny_models, tmp_path):
     """Rank 1 is killed mid-generation: rank 0 exits non-zero with one line, no traceback, no hang."""
-    res = _launch(tiny_models("llama", num_layers=2), tmp_path / "out.json", "tensor", "20")
+    res = _launch(tiny_models("llama", num_layers=2), tmp_path / "out.json", "tensor", {}, "20")
     assert "rank 0 exited with code 1" in res.stderr  # mlx.launch's own report (its exit status is 0)
     assert not (tmp_path / "out.json").exists()
     lines = [x for x in res.stderr.splitlines() if x.startswith("error: rank 0 of 2")]
