@@ -170,3 +170,20 @@ def test_chat_under_mlx_launch_is_one_line(monkeypatch):
     r = CliRunner().invoke(main, ["chat"])
     assert r.exit_code == 1 and r.output.strip() == (
         "Error: chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) or `macinfer run`")
+
+
+def test_the_watchdog_ends_a_rank_stuck_in_a_collective_with_one_line():
+    """A watched wait that outlives the timeout (a hung peer) ends the process: exit 1, one line."""
+    code = ("import time\n"
+            "from macinfer.engine.distributed import Ranks\n"
+            "class G:\n"
+            "    def rank(self): return 1\n"
+            "    def size(self): return 2\n"
+            "ranks = Ranks(G(), 'tensor', timeout=0.5)\n"
+            "with ranks.watch('rank 0 stopped sending plans'):\n"
+            "    time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("error: rank 1 of 2 (tensor parallel): rank 0 stopped sending plans "
+                                  "(nothing for 0.5 s; MACINFER_DIST_TIMEOUT sets the limit); stopping")

@@ -125,7 +125,7 @@ class Ranks:
     def recv_plan(self) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
         """Follower: the next forward's (tables, starts, tokens), after any heartbeats; None at STOP."""
         while True:
-            with self.watch("rank 0 sent nothing: it stopped or the link is down", self._promise or None):
+            with self.watch("rank 0 stopped sending plans: it hung or the link is down", self._promise or None):
                 kind, n_rows, body = self._exchange(0, None)
             if kind == STOP:
                 return None
@@ -186,7 +186,7 @@ class Ranks:
             time.sleep(0.25)
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                self.fail(f"{self._what} for {self.timeout:g} s (MACINFER_DIST_TIMEOUT sets the limit)")
+                self.fail(f"{self._what} (nothing for {self.timeout:g} s; MACINFER_DIST_TIMEOUT sets the limit)")
 
 
 def _decode_rows(body: list[int], n_rows: int):
