@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from macinfer.cli.options import engine_option, one_line_errors
+from macinfer.errors import MacinferError
 
 
 @click.command("chat")
@@ -52,6 +55,9 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
                 setattr(session, attr, value)
 
+    if os.environ.get("MLX_RANK") is not None:  # set by mlx.launch on every rank
+        raise MacinferError("chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) "
+                            "or `macinfer run`")
     options = {"engine": engine, **({"kv_memory": kv_memory} if kv_memory else {})}
     if draft:
         options["draft"] = draft

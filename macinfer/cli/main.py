@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from macinfer.cli.options import engine_option, one_line
+from macinfer.cli.options import engine_option, one_line, parallel_option
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 
@@ -132,8 +132,10 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
+@parallel_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
-            as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
+            as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
+            parallel):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -165,6 +167,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
       macinfer run "Describe Paris as JSON" --json-schema city.json
+      mlx.launch --hostfile hosts.json --backend ring -- macinfer run MODEL "Hello"   # across Macs
     """
     from macinfer.core.sampling import SamplingParams
 
@@ -187,7 +190,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
-    llm = LLM(model, dequantize=dequantize, engine=engine, **options)
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **options)
     info = llm.info
     if verbose:
         _print_details(llm)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from macinfer.cli.options import engine_option, engine_options, one_line_errors
+from macinfer.cli.options import engine_option, engine_options, one_line_errors, parallel_option
 
 
 @click.command("serve")
@@ -26,11 +26,12 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors
 @click.option("--lenient", is_flag=True,
               help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
 @engine_option
+@parallel_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, kv_memory, max_num_seqs, dequantize,
-              lenient, log_level, engine):
+              lenient, log_level, engine, parallel):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -49,6 +50,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
       macinfer serve ./my-mlx-model --port 8080 --api-key secret
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+      mlx.launch --hostfile hosts.json --backend ring -- macinfer serve MODEL   # across Macs: rank 0 serves
     """
     from macinfer.llm import LLM
     from macinfer.serve.server import check_api_key, create_app
@@ -56,7 +58,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     check_api_key(api_key)  # before the model loads
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, engine=engine, **engine_options(kv_memory, max_num_seqs))
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **engine_options(kv_memory, max_num_seqs))
     engine = getattr(llm, "engine", None)
     if hasattr(engine, "describe"):
         click.echo(engine.describe(), err=True)

@@ -76,7 +76,9 @@ class ModelRunner:
         # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
         self._body = self._head = None
-        self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
+        # Arrays evaluated with each forward (see the NOTE in execute_model): the hidden states a feature
+        # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
+        self._with_forward: list[mx.array] = []
         self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
         # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
@@ -95,11 +97,11 @@ class ModelRunner:
         self.hidden_sink(seqs, starts, counts, h)
         # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
         # still reads the pools, and a later write to them would then copy every pool.
-        self._hidden_out.append(h)
+        self._with_forward.append(h)
         return h
 
-    def _take_hidden(self) -> list[mx.array]:
-        out, self._hidden_out = self._hidden_out, []
+    def _take_with_forward(self) -> list[mx.array]:
+        out, self._with_forward = self._with_forward, []
         return out
 
     def sample_row(self, seq, logits: mx.array, history: mx.array | None = None,
@@ -132,31 +134,42 @@ class ModelRunner:
             all_logits: the logits of every position instead: (B, L, V).
             head: applied to the final hidden states of the model's body (`model.model`)
                 instead of the model's own head (a draft's head over part of the vocabulary).
+        """
+        starts = [r.seq.num_computed_tokens for r in rows]
+        tokens = []
+        for r, start in zip(rows, starts):
+            ids = r.seq.token_ids[start: start + r.num_new_tokens]
+            if len(ids) < r.num_new_tokens:
+                ids = ids + r.seq.spec_token_ids[: r.num_new_tokens - len(ids)]
+            tokens.append(ids)
+        return self.run_forward([r.seq.block_table for r in rows], starts, tokens, [r.seq for r in rows],
+                                all_logits, head, [r.seq.num_prompt_tokens for r in rows])
 
+    def run_forward(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]], seqs=None,
+                    all_logits: bool = False, head=None, prompt_lens: list[int] | None = None) -> mx.array:
+        """The forward of `forward`, from its plan: row i computes tokens[i] from position starts[i].
+
+        `seqs` (the rows' sequences) is needed only by state layers and a hidden-state sink;
+        a rank that follows another's plan (macinfer.engine.distributed) has neither. prompt_lens:
+        the rows' prompt lengths, for a prompt window (ForwardContext.prompt_lens), if known.
         Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
         the null block, its queries see only garbage that nobody reads.
         """
-        counts = [r.num_new_tokens for r in rows]
-        starts = [r.seq.num_computed_tokens for r in rows]
-        L = self.set_context([r.seq.block_table for r in rows], starts, counts, [r.seq.num_prompt_tokens for r in rows])
-        tokens, last = [], [n - 1 for n in counts]
-        for r, start, n in zip(rows, starts, counts):
-            ids = r.seq.token_ids[start: start + n]
-            if len(ids) < n:
-                ids = ids + r.seq.spec_token_ids[: n - len(ids)]
-            tokens.append(ids + [0] * (L - n))
+        counts = [len(t) for t in tokens]
+        L = self.set_context(tables, starts, counts, prompt_lens)
+        last = [n - 1 for n in counts]
         if self.states is not None:
-            self.states.bind([r.seq for r in rows], counts, L)
-        inputs = mx.array(tokens, dtype=mx.int32)
+            self.states.bind(seqs, counts, L)
+        inputs = mx.array([t + [0] * (L - len(t)) for t in tokens], dtype=mx.int32)
         if self.hidden_sink is not None or head is not None:
             if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
-                h = self._hidden(inputs, [r.seq for r in rows], starts, counts)
+                h = self._hidden(inputs, seqs, starts, counts)
             else:
                 h = self.model.model(inputs, cache=self.caches)
             head = head or self._head
             if all_logits:
                 return head(h)
-            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(rows)), mx.array(last)]
+            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(tokens)), mx.array(last)]
             return head(h)  # (B, V): the head on the sampled positions only
         if all_logits:
             return self.model(inputs, cache=self.caches)  # (B, L, V)
@@ -166,7 +179,7 @@ class ModelRunner:
             return logits[:, 0, :]
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
-        return logits[mx.arange(len(rows)), mx.array(last)]
+        return logits[mx.arange(len(tokens)), mx.array(last)]
 
     def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int],
                     prompt_lens: list[int] | None = None) -> int:
@@ -218,7 +231,7 @@ class ModelRunner:
             sampled = mx.concatenate([self._launch_row(s, logits[j: j + 1], tokens[j: j + 1], logprob_rows)
                                       for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
-        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden(), logprob_rows.arrays())
+        mx.async_eval(sampled, [c.state for c in self.caches], self._take_with_forward(), logprob_rows.arrays())
         return sampled, logprob_rows
 
     def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:
@@ -298,7 +311,7 @@ class ModelRunner:
                 new = self._verify(group, rows, pending)
                 verified += new
                 mx.eval([v for _, v in verified] + [ids for _, ids in pending] + [c.state for c in self.caches]
-                        + self._take_hidden() + self.logprob_rows.arrays())  # the NOTE below
+                        + self._take_with_forward() + self.logprob_rows.arrays())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
                     from macinfer.core.state_pool import refeed_rejected
 
@@ -320,7 +333,7 @@ class ModelRunner:
             # pools are updated in place only while no other array shares their
             # buffer; a later forward chained onto this one's lazy pool views would
             # copy every pool instead (measured: seconds per step on a 256 MB pool).
-            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden()
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_with_forward()
                     + self.logprob_rows.arrays())
         self.logprob_rows.deliver()
         out: list[int | None] = [None] * len(scheduled)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from functools import partial
 
 
 from macinfer.core.block_pool import BlockPool
@@ -37,6 +38,7 @@ from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
+from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
 from macinfer.engine.pipeline import InFlight, PipelinedSteps
 from macinfer.core.sampling import SamplingParams
@@ -54,14 +56,18 @@ class LLMEngine(PipelinedSteps):
         tokenizer: mlx-lm's TokenizerWrapper (for EOS ids and streaming text).
         info: macinfer.loader.ModelInfo, or None (context length then comes from
             max_model_len or the model's config).
+        ranks: macinfer.engine.distributed.Ranks when the model is split across processes
+            (the leader's runner sends each forward's plan; a follower's only runs them), else None.
         **options: EngineConfig fields.
     """
 
-    def __init__(self, model, tokenizer, info=None, **options):
+    def __init__(self, model, tokenizer, info=None, ranks=None, **options):
         self.config = config = EngineConfig(**options)
-        self.model, self.tokenizer, self.info = model, tokenizer, info
+        self.model, self.tokenizer, self.info, self.ranks = model, tokenizer, info, ranks
         model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
         self.specs = inspect_model(model, model_type)
+        if ranks is not None:
+            check_model(ranks, self.specs, model_type)
         self.max_model_len = config.max_model_len or (info.context_length if info is not None else
                                                       getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
 
@@ -70,13 +76,14 @@ class LLMEngine(PipelinedSteps):
         plan = plan_memory(config, self.specs, self.max_model_len, getattr(info, "weight_bytes", 0), model_type)
         self.bytes_per_token, self.bytes_per_block = plan.bytes_per_token, plan.bytes_per_block
         self.state_bytes, self.snapshot_bytes, self.kv_budget = plan.state_bytes, plan.snapshot_bytes, plan.kv_budget
-        num_blocks = plan.num_blocks
+        num_blocks = plan.num_blocks if ranks is None else ranks.agree_min(plan.num_blocks)  # each rank's pools fit
         states = getattr(self.specs, "states", None)
         snapshots = bool(states) and config.enable_prefix_cache
         wire_memory()
         self.block_pool = BlockPool(num_blocks, bs)
-        self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
-                                  kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+        runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
+        self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
+                             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.state_pool = self.snapshots = None
         if states:
@@ -160,6 +167,7 @@ class LLMEngine(PipelinedSteps):
             **prefix_cache_stats(self.block_pool),
             **(self.state_pool.stats() if self.state_pool is not None else {}),
             **(self.snapshots.stats_dict() if self.snapshots is not None else {}),
+            **(self.ranks.stats() if self.ranks is not None else {}),
         }
 
     # -- requests -----------------------------------------------------------------------

@@ -235,6 +235,17 @@ class PagedKVCache:
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
     @property
+    def keys(self):
+        return self.k_pool
+
+    @keys.setter
+    def keys(self, value):
+        # mlx-lm's pipelined models chain a stage's send onto its last cache (`cache.keys =
+        # mx.depends(cache.keys, h)`) so that evaluating the cache sends; across ranks every rank
+        # evaluates its logits instead (macinfer.engine.distributed), so the link is dropped.
+        pass
+
+    @property
     def state(self):
         return [self.k_pool, self.v_pool]
 

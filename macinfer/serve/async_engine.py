@@ -44,6 +44,8 @@ class AsyncEngine:
             `abort_request(request_id)`, `step() -> list[StreamDelta]` and `has_unfinished()`
             (macinfer.engine.llm_engine.LLMEngine).
         on_step: called on the engine thread after each step with (seconds, deltas).
+        on_idle: called on the engine thread about every half second while there is nothing to
+            step (across ranks: a heartbeat, macinfer.engine.distributed).
 
     Example:
         >>> aengine = AsyncEngine(LLMEngine(...)); aengine.start()
@@ -51,9 +53,10 @@ class AsyncEngine:
         ...     print(delta.text, end="")
     """
 
-    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None):
+    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None,
+                 on_idle: Callable[[], None] | None = None):
         self.engine = engine
-        self.on_step = on_step
+        self.on_step, self.on_idle = on_step, on_idle
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -136,7 +139,8 @@ class AsyncEngine:
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
+                    if not self._wake.wait(timeout=0.5) and self.on_idle is not None:
+                        self.on_idle()
                     continue
                 t0 = time.perf_counter()
                 deltas = self.engine.step()

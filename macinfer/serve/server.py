@@ -354,7 +354,9 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     check_api_key(api_key)
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
-    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
+    ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
+    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step,
+                          on_idle=ranks.heartbeat if ranks is not None else None)
     metrics.attach(aengine)
     server = Server(llm, aengine, model_name, metrics, max_queue=max_queue, lenient=lenient)
 
