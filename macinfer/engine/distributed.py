@@ -241,9 +241,11 @@ class LeaderRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
 
-    def run_forward(self, tables, starts, tokens, seqs=None, all_logits=False, head=None) -> mx.array:
+    def run_forward(self, tables, starts, tokens, seqs=None, all_logits=False, head=None, prompt_lens=None) -> mx.array:
+        # NOTE: the plan does not carry prompt_lens, which only a prompt window (plamo3) reads:
+        # such a model across ranks would see other windows on the followers.
         self.ranks.send_plan(tables, starts, tokens)
-        logits = super().run_forward(tables, starts, tokens, seqs, all_logits, head)
+        logits = super().run_forward(tables, starts, tokens, seqs, all_logits, head, prompt_lens)
         self._with_forward.append(logits)  # the NOTE in the module docstring
         return logits
 
