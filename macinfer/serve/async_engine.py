@@ -148,10 +148,8 @@ class AsyncEngine:
                 self.peak_batch = max(self.peak_batch, len(deltas))
                 if self.on_step is not None:
                     self.on_step(time.perf_counter() - t0, deltas)
-                for d in deltas:
-                    if d.finish_reason == "abort":
-                        self.num_aborted += 1
-                    self._deliver(d.request_id, d)
+                self.num_aborted += sum(d.finish_reason == "abort" for d in deltas)
+                self._deliver_all(deltas)
         except BaseException as e:  # a bug or OOM in the engine: fail every waiter, stop
             log.exception("engine loop crashed")
             self.error = e
@@ -180,6 +178,24 @@ class AsyncEngine:
                 except Exception:  # unknown or already finished: nothing to free
                     log.debug("abort of %s ignored", msg[1], exc_info=True)
 
+    def _deliver_all(self, deltas: list[StreamDelta]) -> None:
+        """A step's deltas, one callback per event loop (not one per request).
+
+        Each call_soon_threadsafe wakes the loop's thread, which then competes with this one for
+        the GIL: on a fast model, a wake-up per request per step costs a good part of the step.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            entry = self._streams.get(d.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], d))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                for _, d in items:
+                    self._streams.pop(d.request_id, None)
+
     def _deliver(self, rid: str, item) -> None:
         entry = self._streams.get(rid)
         if entry is None:
@@ -189,3 +205,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
