@@ -68,4 +68,8 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
                      **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
+    if llm.info.path is not None:  # `macinfer rm` refuses it while this server runs
+        from macinfer.modelio.leases import take
+
+        take(llm.info.path, f"macinfer serve on port {port}")
     uvicorn.run(app, host=host, port=port, log_level=log_level)
