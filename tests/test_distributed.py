@@ -59,23 +59,17 @@ def _free_port() -> int:
 @contextmanager
 def _launched(*argv: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
     """`mlx.launch -n 2 --backend ring -- *argv` (on this checkout's macinfer), in its own process group,
-    killed whole on the way out so no rank outlives the test.
-
-    NOTE: mlx.launch polls its stdin to forward it to the ranks; at EOF (/dev/null) that poll returns at
-    once and spins a core. A pipe held open until the end makes it wait as meant."""
+    killed whole on the way out so no rank outlives the test."""
     launch = shutil.which("mlx.launch")
     if launch is None:
         pytest.skip("mlx.launch is not installed (it comes with mlx)")
     cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", *argv]
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}  # this checkout's macinfer on every rank
-    stdin, held = os.pipe()
-    proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, text=True, cwd=WORKER.parent, env=env,
-                            start_new_session=True)
-    os.close(stdin)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True, cwd=WORKER.parent,
+                            env=env, start_new_session=True)
     try:
         yield proc
     finally:
-        os.close(held)
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
