@@ -2,7 +2,9 @@
 
 The oracle is the same engine in one process: greedy output under 2 ranks (tensor, and
 pipeline) is token-for-token the single-process output for a staggered batch of 8 requests
-in a KV pool small enough to preempt. Each rank runs tests/dist_worker.py. Bad launch
+in a KV pool small enough to preempt. Each rank runs tests/dist_worker.py. The CLI under 2 ranks:
+`macinfer run` prints the one-process text once, `macinfer serve` answers the openai SDK as
+one process does and shows both ranks on /metrics. Bad launch
 settings are checked in-process (shard_model reads only the group's size before refusing).
 """
 
@@ -11,10 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -50,14 +56,30 @@ def _free_port() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _launch(model: Path, out: Path, parallel: str, options: dict, *extra: str) -> subprocess.CompletedProcess:
+@contextmanager
+def _launched(*argv: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """`mlx.launch -n 2 --backend ring -- *argv` (on this checkout's macinfer), in its own process group,
+    killed whole on the way out so no rank outlives the test."""
     launch = shutil.which("mlx.launch")
     if launch is None:
         pytest.skip("mlx.launch is not installed (it comes with mlx)")
-    cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--",
-           sys.executable, str(WORKER), str(model), str(out), parallel, json.dumps(options), *extra]
+    cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", *argv]
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}  # this checkout's macinfer on every rank
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent, env=env)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True, cwd=WORKER.parent,
+                            env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _launch(model: Path, out: Path, parallel: str, options: dict, *extra: str) -> subprocess.CompletedProcess:
+    """Each rank runs tests/dist_worker.py; returns when both ended."""
+    with _launched(sys.executable, str(WORKER), str(model), str(out), parallel, json.dumps(options), *extra) as proc:
+        stdout, stderr = proc.communicate(timeout=240)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def _single_process(model: Path, options: dict) -> dict:
@@ -101,6 +123,79 @@ def test_a_dying_rank_stops_the_other_with_one_line(tiny_models, tmp_path):
     lines = [x for x in res.stderr.splitlines() if x.startswith("error: rank 0 of 2")]
     assert len(lines) == 1, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+# -- the CLI under 2 ranks -----------------------------------------------------------------------------------
+MACINFER = (sys.executable, "-c", "import sys; from macinfer.cli.main import main; sys.argv[0] = 'macinfer'; main()")
+SPLITS = [("llama", 2, "tensor"), ("qwen2", 3, "pipeline")]
+PROMPT = "The capital of France is"
+
+
+@pytest.mark.parametrize("arch,layers,parallel", SPLITS[:1])  # pipelined runs: test_two_ranks_match_one_process
+def test_run_under_two_ranks_prints_the_one_process_text_once(tiny_models, arch, layers, parallel):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    args = ["run", str(tiny_models(arch, num_layers=layers)), PROMPT, "-n", "6", "--no-chat-template",
+            "--peak-bandwidth", "100"]
+    want = CliRunner().invoke(main, args)
+    assert want.exit_code == 0, want.output
+    with _launched(*MACINFER, *args, "--parallel", parallel) as proc:
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "exited with code" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert stdout == want.stdout  # rank 0's text, once
+    assert stderr.count("generated 6 tok") == 1  # and one stats line
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    import httpx2 as httpx
+
+    for _ in range(600):
+        assert proc.poll() is None, log.read_text()[-2000:]
+        with suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError("the server did not come up: " + log.read_text()[-2000:])
+
+
+def _metric(page: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in page.splitlines() if line.startswith(name + " ")))
+
+
+@pytest.mark.parametrize("arch,layers,parallel", SPLITS)
+def test_serve_under_two_ranks_answers_as_one_process(tiny_models, tmp_path, arch, layers, parallel):
+    """A greedy completion through the openai SDK equals the single-process one; /metrics shows both ranks'
+    memory and the plan exchanges; Ctrl+C on rank 0 (uvicorn's shutdown, then STOP at exit) ends both ranks."""
+    import httpx2 as httpx
+    import openai
+
+    from macinfer.llm import LLM
+
+    model, port, log = tiny_models(arch, num_layers=layers), _free_port(), tmp_path / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as err, _launched(*MACINFER, "serve", str(model), "--port", str(port), "--parallel", parallel,
+                                          stdout=subprocess.DEVNULL, stderr=err) as proc:
+        _wait_healthy(url, proc, log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        got = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"return_token_ids": True}).choices[0]
+        page = httpx.get(url + "/metrics", timeout=30).text
+        rank0 = int(re.search(r"Started server process \[(\d+)\]", log.read_text())[1])  # uvicorn's line
+        os.kill(rank0, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # no rank outlived mlx.launch
+    stderr = log.read_text()
+    assert "exited with code" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    want = LLM(str(model)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+    assert _metric(page, "macinfer_ranks") == 2
+    assert min(_metric(page, f'macinfer_rank_active_memory_bytes{{rank="{r}"}}') for r in (0, 1)) > 0
+    assert _metric(page, "macinfer_distributed_plans_total") >= len(want.token_ids)  # a plan per forward
+    assert _metric(page, "macinfer_distributed_plan_seconds_total") > 0
 
 
 class _Group:
