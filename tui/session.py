@@ -6,10 +6,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from macinfer.core.sampling import SamplingParams
+from macinfer.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -39,9 +37,7 @@ class ChatSession:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + [dict(t) for t in self.turns]
 
-    def params(self) -> "SamplingParams":
-        from macinfer.core.sampling import SamplingParams  # lazily: it imports MLX
-
+    def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed)
 
     def to_markdown(self, model: str | None = None) -> str:

@@ -13,8 +13,8 @@ class Reply(Markdown):
     """An assistant reply, rendered as Markdown while it streams.
 
     Text arrives faster than Textual can re-parse and re-lay-out Markdown on a fast
-    model, and every update holds the GIL that the engine thread needs between
-    steps. So `write` only queues the text, and a pump task appends what has queued
+    model, and every update costs the UI CPU time that it needs for keys, and that
+    the engine process competes for on a busy machine. So `write` only queues the text, and a pump task appends what has queued
     to the Markdown document at most every INTERVAL seconds, and further apart when an
     update (append, layout, repaint: UI-thread CPU time) is costly, so that updates
     take at most BUDGET of the UI thread's time. `finish` appends whatever is left:
