@@ -5,8 +5,8 @@
     ui.stop()                           # the child closes its backend and exits
 
 Why a process: a thread shares the UI's GIL, so every layout, Markdown parse and
-collection in the UI delays the engine's next step; on a model decoding hundreds of
-tok/s that cost the chat a third of its speed. The child is started with "spawn"
+collection in the UI would delay the engine's next step, which on a model decoding
+hundreds of tok/s is most of a step. The child is started with "spawn"
 (MLX must not be forked) and owns MLX and the model; the UI process never imports
 MLX. Commands go down one pipe; Messages come back up another, and a reader thread
 in the UI posts them to the screen. Everything crossing pickles, so `make_backend`
@@ -20,6 +20,7 @@ the next Load starts a new child.
 
 from __future__ import annotations
 
+import io
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -65,6 +66,8 @@ class EngineProcess:
     def start(self) -> None:
         """Start the child and the reader thread (a second start replaces a dead child)."""
         ctx = multiprocessing.get_context("spawn")
+        if self._commands is not None:  # a dead child's
+            self._commands.close()
         their_commands, self._commands = ctx.Pipe(duplex=False)
         events, their_events = ctx.Pipe(duplex=False)
         self._stopping = False
@@ -172,10 +175,11 @@ def exit_reason(code: int | None) -> str:
 
 
 # -- the child ------------------------------------------------------------------------
-class _Forward:
+class _Forward(io.TextIOBase):
     """sys.stdout / sys.stderr of the child: text goes to the UI's log, not over its screen."""
 
     def __init__(self, events):
+        super().__init__()
         self.events = events
 
     def write(self, text: str) -> int:
@@ -185,9 +189,6 @@ class _Forward:
             except Exception:  # the UI is gone: nobody to tell
                 pass
         return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def _exit_with_parent() -> None:

@@ -102,7 +102,7 @@ class StubBackend:
         return request_id
 
     def step(self) -> list[StreamDelta]:
-        """Sleep one step (GIL released), then one token for every running request."""
+        """Sleep one step, then one token for every running request."""
         time.sleep(1 / self.rate)
         now = time.perf_counter()
         deltas = []

@@ -35,7 +35,7 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
       macinfer chat
       macinfer chat ./my-mlx-model --system "Answer briefly." --temp 0.7
     """
-    from tui.app import ChatApp  # light: MLX and the model load on the engine thread, behind a progress bar
+    from tui.app import ChatApp  # light: MLX and the model load in the engine process, behind a progress bar
 
     options = {"engine": engine, **({"kv_memory": kv_memory} if kv_memory else {})}
     if draft:
