@@ -6,7 +6,8 @@
 Model mode: each round runs the prompt (greedy, so the same tokens) through
 `LLM.stream`, as `macinfer run` does, then through a headless ChatApp (engine
 process, Messages, Markdown streaming, metrics panel) on the same model, alternating
-so machine noise hits both alike. (The app's engine process loads its own copy.)
+so machine noise hits both alike. (The app's engine process loads its own copy and, like
+the bare engine, answers a 4-token warm-up first.)
 
 Stub mode (--stub-rate N): no model. tui.stub.StubBackend streams Markdown at N tok/s
 (each step sleeps 1/N s, as a step waits on an MLX eval) through the real engine
