@@ -9,6 +9,11 @@ Which engine (`engine=`, `--engine` on the CLI): "paged" is LLMEngine; "mlx-lm" 
 DenseEngine (macinfer.engine.dense_engine: mlx-lm's own BatchGenerator, dense caches);
 "auto" (the default) is paged, falling back to mlx-lm for a model the paged engine
 refuses, with one line on stderr naming the features that are off and why.
+
+Across processes (`parallel=`, macinfer.engine.distributed): started by `mlx.launch` with more
+than one rank, every rank constructs the same LLM; each loads its part of the model (mlx-lm's
+sharding), rank 0 gets the usable LLM and the others serve its forwards inside the constructor,
+then exit (SystemExit(0)) when rank 0 calls `close()` or exits.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class LLM:
             None for the embedded default (SmolLM2-135M-Instruct).
         engine: "auto" (paged, else mlx-lm's BatchGenerator), "paged" or "mlx-lm"
             (module docstring); `self.engine_kind` says which one runs.
+        parallel: under mlx.launch with several ranks, how the model is split: "tensor",
+            "pipeline" or "auto" (tensor where mlx-lm can, else pipeline); None, or a single rank,
+            runs in this process alone.
 
     Example:
         >>> llm = LLM()
@@ -37,14 +45,35 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dequantize: bool | None = None, engine: str = "auto",
-                 **engine_options):
+                 parallel: str | None = None, **engine_options):
+        from macinfer.engine import distributed
         from macinfer.modelio.loader import load_model
 
         if engine not in ENGINES:
             raise MacinferError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        self.model, self.tokenizer, self.info = load_model(model, dequantize=dequantize)
+        self.ranks = distributed.join(parallel) if parallel is not None else None
+        if self.ranks is not None and engine == "mlx-lm":
+            raise MacinferError("the mlx-lm engine cannot run across ranks: use the paged engine")
+        self.model, self.tokenizer, self.info = load_model(
+            model, dequantize=dequantize, **({"group": self.ranks.group, "parallel": self.ranks.parallel} if self.ranks else {}))
+        if self.ranks is not None:
+            self.ranks.parallel = self.info.extra["parallel"]
+            engine_options = distributed.engine_options(self.ranks, engine_options)
+            if not self.ranks.is_leader:  # serve rank 0's forwards until it stops, then leave
+                follower = LLMEngine(self.model, self.tokenizer, self.info, ranks=self.ranks, **engine_options)
+                distributed.follow(follower.runner, self.ranks)
+                raise SystemExit(0)
+            self.engine_kind, self.engine = "paged", LLMEngine(self.model, self.tokenizer, self.info,
+                                                               ranks=self.ranks, **engine_options)
+        else:
+            self.engine_kind, self.engine = make_engine(self.model, self.tokenizer, self.info, engine,
+                                                        **engine_options)
         self.engine_options = engine_options
-        self.engine_kind, self.engine = make_engine(self.model, self.tokenizer, self.info, engine, **engine_options)
+
+    def close(self) -> None:
+        """Across ranks: release the other ranks (they exit); also done at exit. Nothing otherwise."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # -- prompts ---------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -58,10 +87,15 @@ class LLM:
             raise MacinferError("the prompt is empty: give some text to complete")
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids: messages (and tools, OpenAI's function schemas) through the chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise MacinferError("this model has no chat template: send raw text instead")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+        except Exception as e:  # jinja's TemplateError, raise_exception() in the template, a TypeError in it ...
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MacinferError(f"the model's chat template failed on these messages ({why})") from None
 
     # -- generation ------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:

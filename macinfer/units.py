@@ -61,3 +61,16 @@ def fmt_bytes(n: float, binary: bool = False, digits: int | None = None) -> str:
             return f"{n:.1f} {unit}"
         n /= base
     raise AssertionError("unreachable")
+
+
+def fmt_size_change(before: float, after: float) -> str:
+    """How a size changed, as a ratio above 1 either way: '3.20x smaller', '1.45x larger', 'same size'.
+
+    Example:
+        >>> fmt_size_change(98.3e6, 143.0e6), fmt_size_change(143.0e6, 98.3e6)
+        ('1.45x larger', '1.45x smaller')
+    """
+    ratio = max(before, after) / max(min(before, after), 1)
+    if f"{ratio:.2f}" == "1.00":
+        return "same size"
+    return f"{ratio:.2f}x {'smaller' if after < before else 'larger'}"

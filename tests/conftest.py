@@ -1,9 +1,24 @@
 
+import os
+from pathlib import Path
+
 import pytest
 
 import macinfer  # noqa: F401  (loads OpenBLAS before mlx)
 
 from tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_import_this_checkout():
+    """Scripts the tests start (train_eagle.py, mlx.launch workers, ...) import this checkout's
+    macinfer, as the tests themselves do, not whichever copy pip last installed (another
+    worktree's, or none)."""
+    root = str(Path(__file__).resolve().parents[1])
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,13 +7,14 @@ preempt); every token must be what mlx-lm's own generate_step gives for that pro
 
 The gemma3n, deepseek_v3 (also kimi_k25's text model) and glm4_moe_lite configurations are
 adapted from mlx-lm's tests/test_models.py, Copyright © 2023-2024 Apple Inc., MIT License;
-the others are sized alike.
+the others are sized alike (ministral3's and bailing_moe_v3's come from tests/arch_configs.json).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -88,12 +89,33 @@ MISTRAL4 = {  # llama-4 query scaling from position 16 on, so per-row positions 
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
                         "original_max_position_embeddings": 16},
 }
+# Chunked local attention in 3 layers of 4 (chunks of 6 tokens: they end mid-block at block_size 4), a
+# NoPE global layer whose query scaling grows every 8 positions (floor_scale 8: it bites at these lengths).
+LLAMA4 = {
+    "model_type": "llama4",
+    "text_config": {
+        "model_type": "llama4", "attention_bias": False, "attention_chunk_size": 6, "head_dim": 16, "hidden_size": 64,
+        "interleave_moe_layer_step": 2, "intermediate_size": 64, "intermediate_size_mlp": 128,
+        "max_position_embeddings": 1000, "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 4,
+        "num_key_value_heads": 2, "num_local_experts": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000,
+        "use_qk_norm": True, "rope_scaling": None, "floor_scale": 8, "attn_scale": 0.5,
+    },
+}
+ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_text())["configs"]
+# MLA beside linear-attention (KDA) layers with recurrent state: the latent pages, the state gets slots.
+BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
+# Sliding and full layers, yarn rope and llama-4 query scaling from position 16 on.
+MINISTRAL3 = ARCH_CONFIGS["ministral3"]
+# Sliding layers whose mask is one token wider than their RotatingKVCache (paged_attention: prompt window).
+PLAMO3 = ARCH_CONFIGS["plamo3"]
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
             "gpt_bigcode": (GPT_BIGCODE, 0.3, 0.0), "deepseek_v3": (DEEPSEEK_V3, 0.3, 0.0),
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
-            "mistral4": (MISTRAL4, 0.3, 0.0)}
+            "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
+            "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
+            "plamo3": (PLAMO3, 0.2, 1.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -129,7 +151,7 @@ def family(tmp_path_factory):
     built = {}
 
     def get(name, **overrides):
-        key = (name, tuple(sorted(overrides.items())))
+        key = (name, json.dumps(overrides, sort_keys=True))
         if key not in built:
             config, std, norm_std = FAMILIES[name]
             config = {**config, **overrides}
@@ -169,17 +191,24 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
     assert got == want
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma4_text", "deepseek_v3"])
-def test_prefix_cache_hit_matches_mlx_lm(family, name):
-    """A later prompt sharing 30 tokens starts from cached blocks (shared views and latents read them)."""
+@pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
+                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28)])
+def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
+    """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
+
+    A model with recurrent state (bailing_moe_v3) restarts only where a state snapshot was kept: the
+    end of the first prompt's last full block (36 of its 40 tokens).
+    """
     model, tok = family(name)
     p = prompts_for(name)[3]
-    q = p[:30] + [7, 8, 9]
+    q = p[:shared] + [7, 8, 9]
     engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                        enable_prefix_cache=True, persist_prefix_cache=False)
+    if engine.state_pool is not None:
+        engine.scheduler.min_snapshot_tokens = 0  # a tiny prompt: snapshot anyway (tests/test_hybrid_prefix.py)
     results = run(engine, [(0, p, SamplingParams(max_tokens=12, ignore_eos=True), "a"),
                            (30, q, SamplingParams(max_tokens=12, ignore_eos=True), "b")])
-    assert results["b"][0].metrics.cached_tokens == 28
+    assert results["b"][0].metrics.cached_tokens == cached
     assert [results[k][0].token_ids for k in "ab"] == [oracle(model, x, 12)[0] for x in (p, q)]
 
 
@@ -190,6 +219,87 @@ def test_gemma2_softcap_is_what_decides(family):
     prompts = prompts_for("gemma2")
     assert any(oracle(model, p, 16)[0] != oracle(loose, p, 16)[0] for p in prompts)
     assert [s.window for s in inspect_model(model, "gemma2")] == [None, None]  # mlx-lm's gemma2: no window
+
+
+def test_llama4_chunks_and_query_scaling_are_what_decide(family):
+    """Chunks wider than any prompt, or query scaling that starts past it, change the tokens: both are tested above."""
+    model, tok = family("llama4")
+    text = LLAMA4["text_config"]
+    unchunked, _ = family("llama4", text_config={**text, "attention_chunk_size": 1000})
+    unscaled, _ = family("llama4", text_config={**text, "floor_scale": 8192})
+    prompts = prompts_for("llama4")
+    want = [oracle(model, p, 16)[0] for p in prompts]
+    assert want != [oracle(unchunked, p, 16)[0] for p in prompts]
+    assert want != [oracle(unscaled, p, 16)[0] for p in prompts]
+    # Layers 0-2 attend within chunks of 6, layer 3 (NoPE) globally; every row decodes in one forward.
+    assert [(s.window, s.chunk) for s in inspect_model(model, "llama4")] == [(None, 6)] * 3 + [(None, None)]
+    assert LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_llama4_decodes_through_the_kernel_dispatch(family, kv_bits):
+    """The kernel's path for chunked layers: a KernelDispatch over the kernel's algorithm (NumPy; 8-bit KV:
+    QuantPools, dequantised per key) checks each class with its chunk and gives the reference engine's tokens."""
+    from macinfer.kv.kernel_dispatch import KernelDispatch
+
+    model, tok = family("llama4", text_config={**LLAMA4["text_config"], "head_dim": 32})  # 8-bit KV: groups of 32
+    prompts = prompts_for("llama4")[:3]
+    chunks = []
+
+    def kernel(queries, k_pool, v_pool, *a, n_simdgroups=None, **k):
+        chunks.append(k.get("chunk"))
+        return ma.paged_attention_online(queries, k_pool, v_pool, *a, n_partitions=2, **k)
+
+    def tokens(dispatch):
+        engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16,
+                           max_num_seqs=4, kv_bits=kv_bits)
+        engine.runner.ctx.attention_fn = dispatch
+        results = run(engine, [(0, p, SamplingParams(max_tokens=6, ignore_eos=True), f"r{i}")
+                               for i, p in enumerate(prompts)])
+        return [results[f"r{i}"][0].token_ids for i in range(len(prompts))]
+
+    dispatch = KernelDispatch("metal", kernel, paged_attention, timer=lambda fn: 0.0)
+    assert tokens(dispatch) == tokens(None)
+    assert set(chunks) == {6, None}  # the chunked layers' calls carry their chunk, the global layer's none
+    assert set(dispatch.choices.values()) == {"kernel"} and {key[8] for key in dispatch.choices} == {6, None}
+
+
+def mlx_lm_visible(window: int, steps: list[int]) -> dict[int, list[int]]:
+    """Which key positions each query sees in mlx-lm, through its own RotatingKVCache(window) asked for a
+    (window + 1)-token mask (plamo3), forward by forward of `steps` tokens: position -> visible positions."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    cache, seen, start = RotatingKVCache(max_size=window), {}, 0
+    for n in steps:
+        mask = cache.make_mask(n, window_size=window + 1)  # before the update, as the model asks
+        k = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1)  # each key holds its position
+        held = np.array(cache.update_and_fetch(k, k)[0][0, 0, :, 0]).astype(int)  # in the cache's order
+        S = len(held)
+        if mask is None:
+            m = np.ones((n, S), bool)
+        elif isinstance(mask, str):  # "causal": the forward's n queries are the last n keys
+            m = np.arange(S)[None] <= np.arange(S - n, S)[:, None]
+        else:
+            m = np.broadcast_to(np.array(mask), (n, S))
+        for i in range(n):
+            seen[start + i] = sorted(held[m[i]].tolist())
+        start += n
+    return seen
+
+
+def test_plamo3_prompt_window_is_mlx_lms():
+    """query_windows against mlx-lm's own cache and mask, as generate_step runs a 2060-token prompt: every
+    prompt token but the last in forwards of 2048, then one token per forward (4 decode steps)."""
+    from macinfer.kv.paged_attention import MLX_LM_PREFILL_STEP, query_windows
+
+    W, n = 8, MLX_LM_PREFILL_STEP + 12
+    steps = [MLX_LM_PREFILL_STEP, n - 1 - MLX_LM_PREFILL_STEP] + [1] * 5
+    seen = mlx_lm_visible(W, steps)
+    pos = mx.arange(sum(steps))[:, None]
+    windows = np.array(query_windows(pos, W, (W + 1, [n])))[:, 0]
+    assert {p: list(range(max(0, p - int(w) + 1), p + 1)) for p, w in enumerate(windows)} == seen
+    assert sorted({int(windows[p]) for p in (9, 2047, 2049, n - 2)}) == [W + 1]  # prompt queries: W + 1
+    assert sorted({int(windows[p]) for p in (2048, n - 1, n + 3)}) == [W]  # a forward's first, and one-token ones
 
 
 @pytest.mark.parametrize("name", ["gemma3n", "gemma4_text"])
@@ -292,7 +402,7 @@ def test_metal_kernel_softcap_in_emulator(tmp_path):
     import shutil
     import subprocess
 
-    from test_metal_attention import SHIM, emulator_cpp, mlx_generated_source
+    from test_metal_attention import SHIM, _compile_flags, emulator_cpp, mlx_generated_source
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++ to build the Metal-source emulator")
@@ -303,8 +413,8 @@ def test_metal_kernel_softcap_in_emulator(tmp_path):
     assert float(launch["inputs"][ma.INPUT_NAMES.index("softcap")][0]) == 2.0
     src = mlx_generated_source(ma.build_kernel(), launch, tmp_path)
     (tmp_path / "k.cpp").write_text(SHIM + emulator_cpp("cap", src))
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-o",
-                            str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], capture_output=True, text=True)
+    build = subprocess.run(["g++", *_compile_flags(), "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
 

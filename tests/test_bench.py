@@ -24,6 +24,21 @@ def test_summary_percentiles_and_throughput():
     assert s["tpot_p50_ms"] == pytest.approx(300.0)
 
 
+def test_repeats_report_the_median_run_and_the_median_of_paired_ratios():
+    def summary(tps, ttft):
+        return {"concurrency": 16, "prompt_tokens": 64, "prefix": "unique", "throughput_tps": tps,
+                "decode_tps_p50": tps / 16, "ttft_p50_s": ttft}
+
+    ours = bench.median_summary([summary(100, 0.2), summary(300, 0.1), summary(200, 0.4)])
+    base = bench.median_summary([summary(50, 0.4), summary(150, 0.3), summary(400, 0.2)])
+    assert ours["throughput_tps"] == 200 and len(ours["repeats"]) == 3  # the median run, all kept
+    (row,) = bench.ratios([ours], [base])
+    # Paired per repeat: 100/50, 300/150, 200/400 -> median 2.0 (the ratio of medians would be 200/150).
+    assert row["throughput_x"] == pytest.approx(2.0) and row["repeats"] == 3
+    assert row["ttft_p50_speedup"] == pytest.approx(2.0)  # 0.4/0.2, 0.3/0.1, 0.2/0.4
+    assert bench.median_summary([summary(1, 1)]) == summary(1, 1)  # one run: as it was
+
+
 def test_token_prompts_have_exact_lengths_and_shared_prefixes(tiny_models):
     from oracle import mlx_lm_load
 
@@ -49,6 +64,17 @@ def test_cli_in_process_with_mlx_lm_comparison_json_and_plot(tiny_models, tmp_pa
     assert [b["label"] for b in out["baseline"]] == ["mlx-lm"] * 4
     assert len(out["ratios"]) == 4 and all(x["throughput_x"] > 0 for x in out["ratios"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_repeats_alternate_with_the_baseline_on_fresh_prompts(tiny_models):
+    r = CliRunner().invoke(main, ["bench", str(tiny_models("llama")), "-c", "2", "-p", "40", "-n", "3",
+                                  "--compare", "mlx-lm", "--repeats", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    (ours,), (base,), (row,) = out["scenarios"], out["baseline"], out["ratios"]
+    assert len(ours["repeats"]) == len(base["repeats"]) == 2 and row["repeats"] == 2
+    # Each repeat's prompts are new: nothing of the second came from the first's prefix cache.
+    assert [x["cached_tokens"] for x in ours["repeats"]] == [0, 0]
 
 
 def test_cli_against_a_server_url(tiny_models):

@@ -211,19 +211,31 @@ def test_kv_budget_and_describe(load):
     assert big.block_pool.num_usable_blocks == 2 * 512 // 16
 
 
+def test_default_budget_prefills_sixteen_short_prompts_in_one_step(load):
+    # Many short prompts arriving together go through one forward, not one per 128 tokens:
+    # each forward has a fixed cost, and recurrent layers cost their padded length whatever the rows.
+    model, tok = load("llama")
+    engine = LLMEngine(model, tok, None, num_blocks=128, max_num_seqs=16)
+    for i in range(16):
+        engine.add_request([3 + i] * 64, SamplingParams(max_tokens=2))
+    out = engine.scheduler.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [64] * 16
+
+
 def test_unpageable_architecture_is_refused():
     import mlx.nn as nn
-    from mlx_lm.models.cache import ChunkedKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
 
-    # Recurrent (ArraysCache) layers are served with state slots now (tests/test_hybrid.py); chunked attention is not.
-    class Chunked(nn.Module):
+    # Recurrent (ArraysCache) layers get state slots (tests/test_hybrid.py), chunked attention is masked
+    # (llama4: tests/test_attention_variants.py); a cache type the engine does not know is refused.
+    class Quantized(nn.Module):
         layers = [None]
 
         def make_cache(self):
-            return [ChunkedKVCache(8)]
+            return [QuantizedKVCache()]
 
-    with pytest.raises(MacinferError, match="llama4.*ChunkedKVCache"):
-        inspect_model(Chunked(), "llama4")
+    with pytest.raises(MacinferError, match="oddity.*QuantizedKVCache"):
+        inspect_model(Quantized(), "oddity")
 
 
 def test_llm_interface(tiny_models):

@@ -80,8 +80,11 @@ def tokenizer_metadata(model_dir: Path, vocab_size: int, pre: str = "gpt2") -> d
     }
 
 
-def write_gguf(model_dir: Path, out: Path, dtype=mx.float32, arch: str = "llama") -> Path:
-    """Write an mlx-lm llama directory as a llama.cpp-style GGUF (F32 or F16 matrices)."""
+def write_gguf(model_dir: Path, out: Path, dtype=mx.float32, arch: str = "llama", metadata: dict | None = None) -> Path:
+    """Write an mlx-lm llama directory as a llama.cpp-style GGUF (F32 or F16 matrices).
+
+    metadata: keys to set (or, with the value None, to leave out) over the ones written.
+    """
     cfg = json.loads((model_dir / "config.json").read_text())
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
     f32 = lambda v: mx.array(v, dtype=mx.float32)  # noqa: E731
@@ -108,6 +111,8 @@ def write_gguf(model_dir: Path, out: Path, dtype=mx.float32, arch: str = "llama"
         elif "k_proj" in k:
             v = llama_cpp_permute(v, cfg["num_key_value_heads"])
         weights[gguf_name(k)] = v.astype(dtype) if v.ndim == 2 else v  # norms stay F32, as llama.cpp does
+    for k, v in (metadata or {}).items():
+        md.pop(k) if v is None else md.__setitem__(k, v)
     mx.save_gguf(str(out), weights, md)
     return out
 
@@ -330,6 +335,49 @@ def test_unsupported_tensor_type(tiny_gguf, tmp_path):
     bad.write_bytes(bytes(data))
     assert read_header(bad).tensor_types["blk.1.ffn_down.weight"] == "Q6_K"
     _assert_clean_failure(bad, tmp_path, "blk.1.ffn_down.weight", "Q6_K")
+
+
+@pytest.mark.parametrize("metadata, needles", [
+    ({"llama.attention.head_count": mx.array(0, dtype=mx.uint32)}, ["llama.attention.head_count is 0"]),
+    ({"llama.block_count": None}, ["llama.block_count is missing"]),
+    ({"tokenizer.ggml.tokens": mx.arange(300, dtype=mx.int32)}, ["tokenizer.ggml.tokens is not a list of strings"]),
+    ({"tokenizer.ggml.merges": ["abc"]}, ["tokenizer.ggml.merges[0] is 'abc'"]),
+    ({"tokenizer.ggml.merges": ["Ġzzq Ġyy"]}, ["tokenizer.ggml.merges[0]", "not tokens"]),
+    ({"tokenizer.ggml.unknown_token_id": mx.array(10**9, dtype=mx.uint32)},
+     ["tokenizer.ggml.unknown_token_id is 1000000000, not a token id"]),
+    ({"tokenizer.ggml.eos_token_id": "2"}, ["tokenizer.ggml.eos_token_id is '2'"]),
+    ({"llama.attention.head_count": mx.array(0, dtype=mx.uint32), "tokenizer.ggml.eos_token_id": "2"},
+     ["llama.attention.head_count is 0", "; tokenizer.ggml.eos_token_id is '2'"]),
+])
+def test_bad_metadata_is_one_line_naming_the_key(tiny_models, tmp_path, metadata, needles):
+    """Each used to end in a traceback inside the converter or the tokenizers library."""
+    bad = write_gguf(tiny_models("llama"), tmp_path / "bad.gguf", metadata=metadata)
+    _assert_clean_failure(bad, tmp_path, "bad.gguf: bad GGUF metadata", *needles)
+
+
+def test_bad_metadata_through_run_is_one_line(tiny_models, tmp_path):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    bad = write_gguf(tiny_models("llama"), tmp_path / "bad.gguf",
+                     metadata={"tokenizer.ggml.eos_token_id": "2"})
+    r = CliRunner().invoke(main, ["run", str(bad), "hi"])
+    assert r.exit_code == 1 and "tokenizer.ggml.eos_token_id is '2'" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def test_stale_partials_of_a_killed_conversion_are_removed(tiny_gguf, tmp_path):
+    import os
+
+    out = tmp_path / "conv" / "model"
+    stale, fresh, other = (tmp_path / "conv" / n for n in (".model.1-ab.partial", ".model.2-cd.partial",
+                                                            ".other.3-ef.partial"))
+    for d in (stale, fresh, other):
+        d.mkdir(parents=True)
+        os.utime(d, (d.stat().st_mtime - (0 if d == fresh else 7200),) * 2)
+    convert_gguf(tiny_gguf, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".model.2-cd.partial", ".other.3-ef.partial", "model"]
 
 
 def test_output_exists(tiny_gguf, tmp_path):

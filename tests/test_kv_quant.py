@@ -79,3 +79,23 @@ def test_kv8_batched_equals_solo(model32):
 def test_kv_bits_validated(model32):
     with pytest.raises(MacinferError, match="bits"):
         _load(model32, num_blocks=16, kv_bits=3)
+
+
+def test_kv8_decode_through_the_kernel_hook_reads_quantised_pools(model32):
+    """The kernel's path for 8-bit KV: every decode call gets the pools as QuantPools (no float copy) and
+    the kernel's algorithm (NumPy, dequantising per key) gives the reference engine's greedy tokens."""
+    from macinfer.kv import metal_attention as ma
+    from macinfer.kv.paged_attention import QuantPool
+
+    ref, tok = _load(model32, num_blocks=64, kv_bits=8)
+    hooked, _ = _load(model32, num_blocks=64, kv_bits=8)
+    pools = []
+
+    def kernel(queries, k_pool, v_pool, *a, **k):
+        pools.append((type(k_pool), type(v_pool)))
+        return ma.paged_attention_online(queries, k_pool, v_pool, *a, n_partitions=3, **k)
+
+    hooked.runner.ctx.attention_fn = kernel
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    assert _run(hooked, prompts, n=4) == _run(ref, prompts, n=4)
+    assert pools and set(pools) == {(QuantPool, QuantPool)}

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (docs/ARCHITECTURE.md draws them):
 
-    base     macinfer._blas, errors, units, paths
+    base     macinfer._blas, errors, units, paths, timing, staging
     modelio  loading, GGUF import, quantisation, evaluation
     kv       the paged KV cache as models see it (cache adapter, attention, quantised K/V, RoPE)
     core     sequences, sampling, block pool, prefix cache, scheduler, model runner
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["base", "modelio", "kv", "core", "spec", "engine", "llm", "serve", "tui", "cli"]
-BASE = {"macinfer._blas", "macinfer.errors", "macinfer.units", "macinfer.paths"}
+BASE = {"macinfer._blas", "macinfer.errors", "macinfer.units", "macinfer.paths", "macinfer.timing", "macinfer.staging"}
 
 
 def layer(module: str) -> str:

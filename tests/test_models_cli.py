@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import huggingface_hub
@@ -310,6 +311,44 @@ def test_rm_refuses_bad_input_and_changes_nothing(populated, tmp_path):
     one_line_error(cli("rm", str(outside), "-y"), "only removes models it manages")
     assert outside.exists()
     assert tree(populated["hub"]) + tree(populated["home"]) == before
+
+
+def test_rm_refuses_a_model_a_running_server_holds(populated, tiny):
+    from macinfer.modelio import leases
+
+    target = populated["home"] / "models" / "my-q4"
+    before = tree(target)
+    # A server started on the model (its own process, as a user runs it) holds a lease on it.
+    port = 18000 + os.getpid() % 1000
+    server = subprocess.Popen([sys.executable, "-c", "from macinfer.cli.main import main; main()", "serve", str(target), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if leases.holders(target) or server.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert [x.pid for x in leases.holders(target)] == [server.pid], server.stderr.read() if server.poll() else ""
+        one_line_error(cli("rm", "my-q4", "-y"), "in use by macinfer serve", f"pid {server.pid}", "stop it first")
+        repo = cli("rm", REPO, "-y")  # another model: not held
+        assert repo.exit_code == 0, repo.output
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert tree(target) == before  # nothing of my-q4 went
+    assert cli("rm", "my-q4", "-y").exit_code == 0 and not target.exists()  # the server is gone: its lease too
+
+
+def test_a_lease_of_a_dead_process_does_not_count(populated):
+    from macinfer.modelio import leases
+
+    target = populated["home"] / "models" / "my-q4"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = leases.take(target, "macinfer serve")
+    stale.file.write_text(json.dumps({"pid": int(dead.stdout), "path": str(target.resolve()), "what": "macinfer serve"}))
+    live = leases.take(populated["home"] / "models", "a test")  # a lease on a directory above: not on my-q4
+    assert leases.holders(target) == [] and not stale.file.exists()  # the dead one is swept
+    assert [x.file for x in leases.holders(populated["home"] / "models")] == [live.file]
+    live.release()
 
 
 def test_rm_refuses_a_repo_sharing_a_revision_with_another(populated, tiny):

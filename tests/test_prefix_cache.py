@@ -186,6 +186,10 @@ def test_hits_give_the_same_tokens_as_cache_off_and_mlx_lm(load):
         assert out.token_ids == without[rid][0].token_ids == oracle(model, p, 12)[0], rid
         assert out.metrics.cached_tokens == want_cached[rid], rid
         assert without[rid][0].metrics.cached_tokens == 0
+        # "same": every full block before the last token was a hit; "on": 7 tokens left to compute.
+        m = out.metrics
+        assert m.prompt_cached == (rid in ("same", "same2")) and not without[rid][0].metrics.prompt_cached, rid
+        assert m.prefill_tps == (None if m.prompt_cached else (len(p) - m.cached_tokens) / m.ttft), rid
     s = cached.kv_stats()
     assert s["prefix_hit_tokens"] == 56 and s["prefix_hit_rate"] == pytest.approx(56 / sum(map(len, prompts.values())))
     assert s["cached_blocks"] > 0 and s["blocks_evicted"] == 0
@@ -319,8 +323,11 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
 
     cold = json.loads(run_cli("--json").stdout.strip().splitlines()[-1])
     warm = run_cli()
-    assert "cached)" in warm.stderr.strip().splitlines()[-1]
+    line = warm.stderr.strip().splitlines()[-1]
+    assert "cached) | TTFT" in line and "| prompt cached |" in line and "prefill" not in line
     warm = json.loads(run_cli("--json").stdout.strip().splitlines()[-1])
+    assert warm["prompt_cached"] and warm["prefill_tps"] is None
+    assert not cold["prompt_cached"] and cold["prefill_tps"] == pytest.approx(cold["prompt_tokens"] / cold["ttft_s"])
     off = json.loads(run_cli("--json", "--no-prefix-cache").stdout.strip().splitlines()[-1])
     assert cold["cached_tokens"] == 0 == off["cached_tokens"]
     assert warm["cached_tokens"] == (warm["prompt_tokens"] - 1) // 16 * 16 > 0
@@ -355,3 +362,22 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     assert mx.array_equal(k[:, 20:24], full[0][:, 12:16]).item()
     assert mx.array_equal(v[:, 20:24], full[1][:, 12:16]).item()
     assert not k[:, :20].any().item() and not v[:, :20].any().item()
+
+
+def test_stale_temp_files_are_removed_when_a_store_opens(tmp_path):
+    """A process killed mid-write leaves `.<hash>.<pid>.tmp` (outside the size limit): any model's,
+    an hour old, is removed when a store opens; a fresh one (a live writer's) and block files stay."""
+    import os
+
+    from macinfer.core.kv_store import DiskPrefixStore
+
+    (tmp_path / "other").mkdir()
+    names = {"m/.aa.1.tmp": 7200, "other/.bb.2.tmp": 7200, "m/.cc.3.tmp": 0, "other/dd.safetensors": 7200}
+    for name, age in names.items():
+        p = tmp_path / name
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"x" * 10)
+        os.utime(p, (p.stat().st_mtime - age,) * 2)
+    DiskPrefixStore(tmp_path / "m", "m", [], 16, 1 << 30)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*"))
+    assert left == ["m/.cc.3.tmp", "other/dd.safetensors"]

@@ -146,6 +146,20 @@ def test_quantized_source_is_dequantized_then_requantized(tiny_models, tmp_path)
     assert logits(model, tok).shape[-1] == json.loads((src / "config.json").read_text())["vocab_size"]
 
 
+def test_size_line_says_larger_when_the_output_grows(tiny_models, tmp_path):
+    """4-bit -> 8-bit grows the weights: the report says so instead of "0.6x smaller"."""
+    from macinfer.units import fmt_size_change
+
+    quantize(str(tiny_models("llama")), tmp_path / "q4", QuantConfig(bits=4, group_size=32))
+    r = cli(quantize_cmd, tmp_path / "q4", tmp_path / "q8", "--bits", 8, "--group-size", 32)
+    assert r.exit_code == 0, r.output
+    before, after = weight_bytes(tmp_path / "q4"), weight_bytes(tmp_path / "q8")
+    line = next(x for x in r.output.splitlines() if x.strip().startswith("size"))
+    assert line.endswith(f"({after / before:.2f}x larger)") and after > before, line
+    assert fmt_size_change(after, before) == f"{after / before:.2f}x smaller"
+    assert fmt_size_change(1000, 1001) == "same size"
+
+
 def test_force_replaces_existing_out(tiny_models, tmp_path):
     src = tiny_models("llama")
     out = tmp_path / "q"
@@ -154,6 +168,46 @@ def test_force_replaces_existing_out(tiny_models, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     assert sorted(os.listdir(tmp_path)) == ["q"]  # no temp or backup directory left behind
+
+
+def test_force_restores_old_out_when_the_second_rename_fails(tiny_models, tmp_path, monkeypatch):
+    """OUT moved aside, then the new model's rename fails: OUT is the old model again (it used to be
+    left missing, the old model in a hidden `.OUT.old-*`), and nothing else is left behind."""
+    import macinfer.staging as staging
+
+    src, out = tiny_models("llama"), tmp_path / "q"
+    assert cli(quantize_cmd, src, out, "-b", 8).exit_code == 0
+    before = sorted(os.listdir(out))
+    rename = Path.rename
+
+    def failing(self, target):
+        if ".partial" in self.name:
+            raise OSError(errno.EIO, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(staging.Path, "rename", failing)
+    r = cli(quantize_cmd, src, out, "-b", 4, "--force")
+    assert r.exit_code == 1 and "could not write" in r.output and "Traceback" not in r.output
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["q"]
+
+
+def test_outputs_get_the_umask_mode_and_stale_partials_go(tiny_models, tmp_path):
+    """mkdtemp made OUT 0700; a killed run's `.OUT.*.partial` older than an hour is removed on the next
+    start, a fresh one (a run in progress) is kept."""
+    src, out = tiny_models("llama"), tmp_path / "q"
+    stale, fresh = tmp_path / ".q.123-abcd.partial", tmp_path / ".q.456-ef01.partial"
+    for d in (stale, fresh):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    os.utime(stale, (os.path.getmtime(stale) - 7200,) * 2)
+    old_umask = os.umask(0o022)
+    try:
+        assert cli(quantize_cmd, src, out, "-b", 4).exit_code == 0
+    finally:
+        os.umask(old_umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert sorted(os.listdir(tmp_path)) == [".q.456-ef01.partial", "q"]
 
 
 # ---------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def test_chat_template_and_system_prompt(tiny_models):
 
 def test_stats_line_and_streamed_text(tiny_models):
     path = tiny_models("qwen2")
-    r = run(path, PROMPT, "-n", 8, "--no-chat-template", "--peak-bandwidth", 100)
+    # No prefix cache: another test may have cached this prompt ("prompt cached" then, no prefill rate).
+    r = run(path, PROMPT, "-n", 8, "--no-chat-template", "--peak-bandwidth", 100, "--no-prefix-cache")
     assert r.exit_code == 0, r.output
     line = r.stderr.strip().splitlines()[-1]
     for field in ("prompt", "TTFT", "prefill", "generated", "decode", "peak mem", "bandwidth"):
@@ -56,8 +57,9 @@ def test_stats_line_and_streamed_text(tiny_models):
 def test_stats_line_splits_drafts_by_drafter():
     from macinfer.cli.main import stats_line
 
-    s = {"prompt_tokens": 9, "cached_tokens": 0, "ttft_s": 0.1, "prefill_tps": 90.0, "generation_tokens": 40,
-         "decode_tps": 12.0, "peak_memory_bytes": 2**20, "bandwidth_utilisation": None, "draft_tokens": 30,
+    s = {"prompt_tokens": 9, "cached_tokens": 0, "ttft_s": 0.1, "prefill_tps": 90.0, "prompt_cached": False,
+         "generation_tokens": 40, "decode_tps": 12.0, "peak_memory_bytes": 2**20, "bandwidth_utilisation": None,
+         "draft_tokens": 30,
          "accepted_tokens": 21, "acceptance_rate": 0.7, "accepted_per_step": 1.5,
          "lookup_draft_tokens": 20, "lookup_accepted_tokens": 18}
     assert stats_line(s).endswith("draft acceptance 70% (1.50 accepted/step; lookup 18/20, model 3/10)")
@@ -119,11 +121,17 @@ def test_seeded_sampling_is_reproducible(tiny_models):
         (["{tiny}", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--max-tokens", "0"], "max_tokens must be"),
+        (["{tiny}", "hi", "--repetition-penalty", "0"], "repetition_penalty must be a number > 0"),
         (["{tiny}", "word " * 600], "holds at most 512"),
         (["{nocfg}", "hi"], "no config.json"),
         (["{noweights}", "hi"], "no *.safetensors"),
         (["{corrupt}", "hi"], "could not load the weights"),
         (["{unknown}", "hi"], "unknown architecture"),
+        (["{badjson}", "hi"], "config.json is not valid JSON (Expecting"),
+        (["{notobject}", "hi"], "config.json holds a JSON list, not an object"),
+        (["{badvalue}", "hi"], "config.json does not describe a valid llama model"),
+        (["{badtemplate}", "hi"], "chat template failed on these messages (no system messages here)"),
+        (["{typotemplate}", "hi"], "chat template failed on these messages"),
         (["{tiny}", "hi", "--draft", "/nonexistent/draft+ngram"], "no such model '/nonexistent/draft'"),
         (["{tiny}", "hi", "--draft", "+ngram"], "no such model '+ngram'"),
     ],
@@ -133,10 +141,19 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, args, message):
 
     tiny = tiny_models("llama")
     dirs = {}
-    for name in ("nocfg", "noweights", "corrupt", "unknown"):
+    for name in ("nocfg", "noweights", "corrupt", "unknown", "badjson", "notobject", "badvalue", "badtemplate",
+                 "typotemplate"):
         d = tmp_path / name
         shutil.copytree(tiny, d)
         dirs[name] = d
+    (dirs["badjson"] / "config.json").write_text('{"model_type": "llama",')
+    (dirs["notobject"] / "config.json").write_text("[1, 2]")
+    cfg = json.loads((tiny / "config.json").read_text())
+    (dirs["badvalue"] / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    for name, template in (("badtemplate", "{{ raise_exception('no system messages here') }}"),
+                           ("typotemplate", "{{ messages[0]['content'] + 1 }}")):
+        tc = json.loads((tiny / "tokenizer_config.json").read_text())
+        (dirs[name] / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
     (dirs["nocfg"] / "config.json").unlink()
     (dirs["noweights"] / "model.safetensors").unlink()
     data = (dirs["corrupt"] / "model.safetensors").read_bytes()

@@ -362,7 +362,8 @@ def test_sampled_tokens_follow_the_target(models, kind):
     else:
         draft, _ = mlx_lm.load(str(m["target"]))
         noise = mx.random.key(7)
-        draft.update(tree_map(lambda w: w + 0.15 * mx.random.normal(w.shape, key=noise) if w.ndim > 1 else w,
+        # Close enough to the target that some drafts are accepted whatever the schedule (at 0.15 almost none were).
+        draft.update(tree_map(lambda w: w + 0.05 * mx.random.normal(w.shape, key=noise) if w.ndim > 1 else w,
                               draft.parameters()))
     engine = LLMEngine(model, m["tok"], None, max_model_len=64, block_size=4, num_blocks=900, max_num_seqs=64,
                        draft=draft, num_speculative_tokens=2, adaptive_speculation=False)

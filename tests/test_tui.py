@@ -185,7 +185,7 @@ async def test_slash_commands(tiny, tmp_path):
         await send(pilot, "Hello")
         await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
         out = tmp_path / "chat.md"
-        await send(pilot, f"/save {out}")
+        await send(pilot, f"/export {out}")
         text = out.read_text()
         assert "## System\n\nBe brief." in text and "## User\n\nHello" in text and "## Assistant" in text
         assert not list(tmp_path.glob(".*tmp"))  # written atomically, no temp file left
@@ -461,9 +461,10 @@ def _stats_runner(**backend):
     import tui.runner as runner_mod
     from macinfer.perf.bandwidth import PeakBandwidth
 
-    b = SimpleNamespace(peak=PeakBandwidth(100.0, "flag"), prefix_cache=False,
-                        info=SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
-                        kv_stats=lambda: None, peak_memory=lambda: None, **backend)
+    b = SimpleNamespace(**{"peak": PeakBandwidth(100.0, "flag"), "prefix_cache": False,
+                           "info": SimpleNamespace(bytes_per_decode_step=1e9, kv_bytes_per_token=0.0),
+                           "kv_stats": lambda: None, "peak_memory": lambda: None,
+                           "request_metrics": lambda rid: None, **backend})
     runner = runner_mod.EngineRunner(lambda spec: b, lambda message: None)
     runner.backend = b
     return runner
@@ -506,3 +507,132 @@ def test_live_figures_at_a_clock_reading_of_zero():
     assert stats.ttft == pytest.approx(0.5)
     assert stats.decode_tps == pytest.approx(1.0)  # 2 tokens after the first, in 2 s
     assert stats.bandwidth == pytest.approx(1e9 * 1.0 / 100e9)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cached, prompt_cached", [(0, False), (32, False), (48, True)])
+async def test_live_prefill_counts_computed_tokens_and_says_when_the_prompt_was_cached(monkeypatch, cached,
+                                                                                       prompt_cached):
+    """The prefill figure counts only the prompt tokens the engine computed; when the prefix cache
+    held the whole prompt there is no rate to show, and the panel says so."""
+    import tui.runner as runner_mod
+    from macinfer.core.metrics import RequestMetrics
+    from macinfer.core.outputs import StreamDelta
+
+    m = RequestMetrics(prompt_tokens=50, cached_tokens=cached, prompt_cached=prompt_cached)
+    runner = _stats_runner(step=lambda: [StreamDelta("r", "x", [5])], speculation=False,
+                           request_metrics=lambda rid: m if rid == "r" else None)
+    runner.live["r"] = runner_mod._Live("r", prompt_tokens=50, arrival=9.5)
+    monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: 10.0)
+    runner._step()
+    stats = runner._stats(runner.live["r"], 10.0)
+    assert stats.prompt_cached is prompt_cached
+    assert stats.prefill_tps == (None if prompt_cached else pytest.approx((50 - cached) / 0.5))
+    from textual.app import App
+
+    class PanelApp(App):
+        def compose(self):
+            yield MetricsPanel()
+
+    async with PanelApp().run_test() as pilot:
+        panel = pilot.app.query_one(MetricsPanel)
+        panel.update_stats(stats)
+        assert panel.figures["prefill"] == ("prompt cached" if prompt_cached else f"{(50 - cached) / 0.5:.1f} tok/s")
+
+
+@pytest.mark.anyio
+async def test_save_and_load_a_conversation(tiny, tmp_path):
+    """/save writes JSON (atomically, nothing left behind); /load brings back the turns, the system
+    prompt and the sampling settings."""
+    import json
+
+    saved = tmp_path / "chat.json"
+    app = ChatApp(tiny, peak_bandwidth=100, system="Be brief.", max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await send(pilot, "Hello")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        turns = [dict(t) for t in app.session.turns]
+        await send(pilot, f"/save {saved}")
+        assert notices(app)[-1].startswith(f"saved 2 turns to {saved}")
+        assert not list(tmp_path.glob(".*tmp"))
+        data = json.loads(saved.read_text())
+        assert data == {"format": "macinfer-chat/1", "model": tiny,
+                        "sampling": {"temperature": 0.0, "max_tokens": 6, "seed": None},
+                        "messages": [{"role": "system", "content": "Be brief."}, *turns]}
+
+        await send(pilot, "/clear")
+        await send(pilot, "/system -")
+        await send(pilot, "/load /no/such/chat.json")
+        assert "/load: cannot read /no/such/chat.json" in notices(app)[-1] and app.session.turns == []
+        await send(pilot, f"/load {saved}")
+        assert app.session.turns == turns and app.session.system == "Be brief." and app.session.max_tokens == 6
+        assert [r.text for r in app.chat.query(Reply)] == [turns[1]["content"]]
+        assert "loaded 2 turns" in notices(app)[-1] and app.chat.loading_what is None  # same model: no reload
+
+
+@pytest.mark.anyio
+async def test_chat_resume_restores_a_saved_conversation(tiny, tmp_path, monkeypatch):
+    """`macinfer chat --resume`, through the command itself: the turns are shown and sent with the
+    next prompt, the file's settings apply, and an option given on the line wins.
+    """
+    from macinfer.cli.chat import chat_cmd
+    from tui.session import ChatSession
+
+    turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! **How** can I help?"}]
+    saved = ChatSession(system="Be brief.", max_tokens=6, turns=turns).save(tmp_path / "chat.json", model=tiny)
+    apps = []
+    monkeypatch.setattr(ChatApp, "run", lambda self: apps.append(self))
+    r = CliRunner().invoke(chat_cmd, ["--resume", str(saved), "--max-tokens", "4", "--peak-bandwidth", "100"])
+    assert r.exit_code == 0, r.output
+    app = apps[0]
+    assert app.model_spec == tiny and app.session.max_tokens == 4 and app.session.system == "Be brief."
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert app.session.turns == turns
+        assert [str(w.render()) for w in app.chat.query(".user")] == ["Hello"]
+        assert [r.text for r in app.chat.query(Reply)] == [turns[1]["content"]]
+        await send(pilot, "And again?")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply after resuming")
+        history = app.session.messages()[:-1]
+        assert [m["role"] for m in history] == ["system", "user", "assistant", "user"]
+        want = await on_engine(app, template_length, history)
+        assert app.chat.query_one(MetricsPanel).figures["tokens"] == f"{want} in, 4 out"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not JSON (line 1)"),
+    ('{"format": "macinfer-chat/1", "model": null, "sampling": {"temperature": -1, "max_tokens": 5}, '
+     '"messages": []}', "sampling.temperature must be a number >= 0, got -1"),
+    ('{"format": "macinfer-chat/1", "model": null, "sampling": {"temperature": 0, "max_tokens": 5}, '
+     '"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]}', "messages[1]"),
+    ('[1, 2]', "not a macinfer chat file"),
+])
+def test_resume_from_a_bad_file_is_one_line_and_starts_nothing(tmp_path, monkeypatch, content, message):
+    from macinfer.cli.chat import chat_cmd
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    monkeypatch.setattr(ChatApp, "run", lambda self: pytest.fail("the app must not start"))
+    r = CliRunner().invoke(chat_cmd, ["--resume", str(bad)])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and message in r.output, r.output
+    missing = CliRunner().invoke(chat_cmd, ["--resume", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 1 and "cannot read" in missing.output and missing.output.count("\n") == 1
+
+
+@pytest.mark.anyio
+async def test_load_switches_to_the_saved_model(tmp_path):
+    """A file saved with another model brings that model back (the stub engine: no weights)."""
+    from tui.session import ChatSession
+
+    saved = ChatSession(system="Be brief.", turns=[{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Hello."}])
+    path = saved.save(tmp_path / "chat.json", model="other-model")
+    app = stub_app(rate=1000)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert app.chat.card.spec is None and await on_engine(app, attrgetter("spec")) is None
+        await send(pilot, f"/load {path}")
+        await wait_for(pilot, lambda: app.chat.card is not None and app.chat.card.spec == "other-model",
+                       what="the saved model")
+        assert await on_engine(app, attrgetter("spec")) == "other-model" and app.session == saved

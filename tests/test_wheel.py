@@ -33,10 +33,12 @@ def test_wheel_runs_draft_auto_in_a_fresh_venv(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=True)
     bin_dir = env_dir / "bin"
-    pip = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                         capture_output=True, text=True)
-    assert pip.returncode == 0, pip.stderr[-2000:]
+    # Without the PYTHONPATH the tests give child processes (conftest.py): through it pip would see
+    # this checkout's macinfer as installed already and skip the wheel.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pip = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                         capture_output=True, text=True, env=env)
+    assert pip.returncode == 0, pip.stderr[-2000:]
     probe = ("import macinfer.paths as p, macinfer.spec.speculator as s; "
              "print(p.models_dir()); print(s.shipped_draft_for('smollm2-135m'))")
     where = subprocess.run([str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)

@@ -16,6 +16,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A chat template with tool calling, shaped like Qwen2.5's (mlx-lm infers its json_tools parser
+# from "<tool_call>" and "tool_call.name" in it).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}{% set tool_call = tc.function %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
+    "{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. "
     "Paged attention stores the key value cache in fixed size blocks. "
@@ -35,8 +47,12 @@ ARCHS = {
 }
 
 
-def train_tokenizer(out: Path, vocab_size: int = 320) -> None:
-    """Train a byte-level BPE tokenizer and write it as a HF fast tokenizer."""
+def train_tokenizer(out: Path, vocab_size: int = 320, tool_call: str | None = None) -> None:
+    """Train a byte-level BPE tokenizer and write it as a HF fast tokenizer.
+
+    tool_call: a whole tool call's text, added as one token (id vocab_size) so a test can force
+    it with logit_bias; the chat template then renders tools.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -49,6 +65,8 @@ def train_tokenizer(out: Path, vocab_size: int = 320) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    if tool_call is not None:
+        tok.add_tokens([tool_call])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -58,7 +76,7 @@ def train_tokenizer(out: Path, vocab_size: int = 320) -> None:
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "unk_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": CHAT_TEMPLATE if tool_call is None else TOOLS_CHAT_TEMPLATE,
                 "model_max_length": 512,
             }
         )
@@ -77,6 +95,7 @@ def build_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     max_position_embeddings: int = 512,
+    tool_call: str | None = None,
     **overrides,
 ) -> Path:
     """Write a random-weight model of `arch` (see ARCHS) to `out` and return it.
@@ -90,8 +109,8 @@ def build_tiny_model(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    train_tokenizer(out, tool_call=tool_call)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]  # its 3 spare rows hold added tokens
     config = {
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,

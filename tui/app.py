@@ -26,6 +26,8 @@ class ChatApp(App):
         dequantize: load quantised weights as float32.
         peak_bandwidth: GB/s override for the bandwidth figure (default: detected or probed).
         system, temperature, max_tokens, seed: the session's starting settings.
+        session, resumed_from: a conversation loaded from a /save file (`macinfer chat --resume`)
+            and that file's name; it replaces the settings above.
         engine_options: passed to the engine (e.g. kv_memory="2GB").
         make_backend: builds the backend for a MODEL spec in the engine process (tests inject
             their own): it must pickle, so a module-level function or a functools.partial.
@@ -37,11 +39,13 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = None, *, dequantize: bool | None = None, peak_bandwidth: float | None = None,
                  system: str = "", temperature: float = 0.0, max_tokens: int = 512, seed: int | None = None,
-                 engine_options: dict | None = None,
+                 engine_options: dict | None = None, session: ChatSession | None = None,
+                 resumed_from: str | None = None,
                  make_backend: Callable[[str | None], ChatBackend] | None = None):
         super().__init__()
         self.model_spec = model
-        self.session = ChatSession(system=system, temperature=temperature, max_tokens=max_tokens, seed=seed)
+        self.session = session or ChatSession(system=system, temperature=temperature, max_tokens=max_tokens, seed=seed)
+        self.resumed_from = resumed_from
         self.make_backend = make_backend or partial(ChatBackend, dequantize=dequantize, peak_bandwidth=peak_bandwidth,
                                                     **(engine_options or {}))
         self.chat = ChatScreen()

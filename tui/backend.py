@@ -17,6 +17,7 @@ from macinfer.errors import MacinferError
 from tui.messages import KVStats, ModelCard
 
 if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load()
+    from macinfer.core.metrics import RequestMetrics
     from macinfer.core.outputs import StreamDelta
     from macinfer.core.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ class ChatBackend:
             peak_gbps=self.peak.gbps if self.peak else None,
             peak_source=self.peak.source if self.peak else None,
             prefix_cache=self.prefix_cache, speculation=self.speculation,
-            attention=getattr(self.engine, "attention_backend", "reference"),
+            attention=getattr(self.engine, "attention_backend", "reference"), spec=self.spec,
         )
 
     def close(self) -> None:
@@ -128,6 +129,11 @@ class ChatBackend:
 
     def has_unfinished(self) -> bool:
         return self.engine is not None and self.engine.has_unfinished()
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        """The engine's live metrics of a running request (its prefix hit is known once scheduled)."""
+        seq = self.engine.requests.get(request_id) if self.engine is not None else None
+        return seq.metrics if seq is not None else None
 
     # -- what the engine can tell ------------------------------------------------------
     def peak_memory(self) -> int:

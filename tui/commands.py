@@ -21,7 +21,10 @@ COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("max-tokens", "N", "longest reply, in tokens", "Set max tokens"),
     SlashCommand("spec", "[on|off]", "toggle speculative decoding", "Toggle speculative decoding"),
     SlashCommand("prefix-cache", "[on|off]", "toggle the prompt-prefix cache", "Toggle the prefix cache"),
-    SlashCommand("save", "FILE", "save the transcript as Markdown", "Save the transcript"),
+    SlashCommand("save", "FILE", "save the conversation and settings as JSON (/load, chat --resume)",
+                 "Save the conversation"),
+    SlashCommand("load", "FILE", "load a conversation saved with /save (and its model)", "Load a conversation"),
+    SlashCommand("export", "FILE", "write the transcript as Markdown", "Export as Markdown"),
     SlashCommand("help", "", "keys and commands", "Help"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}

@@ -43,6 +43,7 @@ class ModelCard:
     prefix_cache: bool | None  # None: this engine has no prefix cache
     speculation: bool | None  # None: this engine cannot speculate
     attention: str = "reference"  # the engine's attention backend: "metal" or "reference"
+    spec: str | None = None  # MODEL as it was asked for (None: the embedded default): what /save records
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Stats:
 
     ttft: float | None = None
     prefill_tps: float | None = None
+    prompt_cached: bool = False  # the prefix cache held the whole prompt: no prefill rate
     decode_tps: float | None = None
     step_tps: tuple[float, ...] = ()  # recent per-step decode rates, oldest first
     bandwidth: float | None = None  # fraction of peak

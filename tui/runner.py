@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from macinfer.errors import MacinferError
+from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class _Live:
     steps: int = 0  # decode steps (target forwards) that gave it tokens: fewer than tokens with drafts
     prev_step: float | None = None  # when the step before the latest one ended
     step_tps: deque = field(default_factory=lambda: deque(maxlen=SPARK_STEPS))
+    metrics: RequestMetrics | None = None  # the engine's, taken at the first token (prefix hit known)
     text: list[str] = field(default_factory=list)
     text_posted: float = 0.0
     stats_posted: float = 0.0
@@ -230,6 +232,7 @@ class EngineRunner:
                 n = len(delta.token_ids)
                 if live.first_token is None:
                     live.first_token = now
+                    live.metrics = self.backend.request_metrics(rid)
                 elif now > live.last_token:  # a new step: one step's deltas (its accepted drafts) share `now`
                     live.steps += 1
                     live.prev_step = live.last_token
@@ -263,7 +266,10 @@ class EngineRunner:
         """Figures for the metrics panel; a finished output's own metrics win (same as `macinfer run`)."""
         b = self.backend
         ttft = (live.first_token - live.arrival) if live.first_token is not None else None  # a clock may read 0
-        prefill = live.prompt_tokens / ttft if ttft else None
+        m = live.metrics
+        prompt_cached = m is not None and m.prompt_cached
+        computed = live.prompt_tokens - (m.cached_tokens if m is not None else 0)  # as RequestMetrics.prefill_tps
+        prefill = computed / ttft if ttft and not prompt_cached else None
         decode = forwards = None  # tokens and target forwards per second of decode
         if live.first_token is not None and live.last_token is not None and live.tokens > 1 \
                 and live.last_token > live.first_token:
@@ -274,6 +280,7 @@ class EngineRunner:
         if output is not None:
             m = output.metrics
             ttft, prefill, decode, forwards = m.ttft, m.prefill_tps, m.decode_tps, m.decode_forward_rate
+            prompt_cached = m.prompt_cached
             prompt, generated, kv_tokens = m.prompt_tokens, m.generation_tokens, m.mean_kv_tokens
             cached = m.cached_tokens if b.prefix_cache else None
             acceptance = m.acceptance_rate if b.speculation else None
@@ -283,7 +290,7 @@ class EngineRunner:
 
             bandwidth = utilisation(bytes_per_step(b.info, kv_tokens), forwards, b.peak)
         return Stats(
-            ttft=ttft, prefill_tps=prefill, decode_tps=decode, step_tps=tuple(live.step_tps),
-            bandwidth=bandwidth, prompt_tokens=prompt, generated_tokens=generated,
+            ttft=ttft, prefill_tps=prefill, prompt_cached=prompt_cached, decode_tps=decode,
+            step_tps=tuple(live.step_tps), bandwidth=bandwidth, prompt_tokens=prompt, generated_tokens=generated,
             cached_tokens=cached, acceptance=acceptance, kv=b.kv_stats(), peak_memory=b.peak_memory(),
         )

@@ -82,7 +82,7 @@ class StubBackend:
     def card(self) -> ModelCard:
         return ModelCard(name=self.info.name, weight_bytes=0, num_params=0, quantization="none",
                          context_length=1 << 20, bytes_per_decode_step=0, kv_bytes_per_token=0,
-                         peak_gbps=None, peak_source=None, prefix_cache=None, speculation=None)
+                         peak_gbps=None, peak_source=None, prefix_cache=None, speculation=None, spec=self.spec)
 
     def close(self) -> None:
         self.requests.clear()
@@ -130,6 +130,9 @@ class StubBackend:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def request_metrics(self, request_id: str) -> None:
+        return None  # no engine, no prefix cache
 
     # -- what the engine can tell ------------------------------------------------------
     def kv_stats(self) -> KVStats:

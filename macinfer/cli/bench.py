@@ -26,6 +26,8 @@ from macinfer.errors import MacinferError
               help="Tokens generated per request (EOS ignored).")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1),
               help="Requests each client sends, back to back.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="Measure each scenario this many times (with --compare, alternating with the baseline); report medians.")
 @click.option("--compare", type=click.Choice(["mlx-lm"]), help="Run the same sweep on mlx-lm's BatchGenerator and print ratios.")
 @click.option("--compare-url", help="Run the same sweep against a second server (e.g. mlx_lm.server) and print ratios.")
 @click.option("--draft", help="Also run every scenario with speculation on (a draft model, 'ngram', MODEL+ngram or 'auto').")
@@ -38,7 +40,7 @@ from macinfer.errors import MacinferError
 @engine_option
 @click.option("--seed", default=0, show_default=True, help="Seed for the random prompts.")
 @one_line_errors
-def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_tokens, rounds, compare, compare_url,
+def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_tokens, rounds, repeats, compare, compare_url,
               draft, as_json, plot_path, kv_memory, max_num_seqs, dequantize, seed, engine):
     """Measure TTFT, per-request decode tok/s and throughput over concurrency and prompt length.
 
@@ -49,7 +51,7 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     \b
     Examples:
       macinfer bench -c 1,4,16 -p 20,1k -n 32 --plot bench.png
-      macinfer bench ./tiny-model --compare mlx-lm --json
+      macinfer bench ./tiny-model --compare mlx-lm -c 1,16 -p 64 -n 32 --repeats 3
       macinfer bench --url http://127.0.0.1:8000 --compare-url http://127.0.0.1:8080 -c 1,16 -p 20
     """
     from macinfer.perf import bench
@@ -67,7 +69,7 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     llm, backends = _backends(model, url, api_key, draft, dequantize, {**engine_options(kv_memory, max_num_seqs), "engine": engine})
     baseline = bench.HTTPBackend(compare_url, None, api_key, label="baseline") if compare_url else None
     progress = click.echo if not as_json else (lambda *a, **k: None)
-    summaries, base = _sweep(scenarios, backends, llm, compare, baseline, seed, progress)
+    summaries, base = _sweep(scenarios, backends, llm, compare, baseline, seed, repeats, progress)
     ours = [s for s in summaries if s["label"] == backends[0].label]
     ratio_rows = bench.ratios(ours, base) if base else None
     if plot_path:
@@ -101,28 +103,39 @@ def _backends(model, url, api_key, draft, dequantize, opts: dict) -> tuple:
     return llm, backends
 
 
-def _sweep(scenarios, backends, llm, compare, baseline, seed: int, progress) -> tuple[list, list]:
-    """Every scenario on every backend, then on the baseline; (summaries, baseline summaries).
+def _sweep(scenarios, backends, llm, compare, baseline, seed: int, repeats: int, progress) -> tuple[list, list]:
+    """Every scenario on every backend, then on the baseline, `repeats` times; (summaries, baseline summaries).
 
-    The backends are closed at the end, whatever happens.
+    Each repeat gets prompts of its own (a repeat must not hit the prefix cache the last one
+    filled), the same for every backend. The backends are closed at the end, whatever happens.
     """
     from macinfer.perf import bench
 
-    summaries, base = [], []
+    runs: dict[tuple, list] = {}  # (scenario index, label) -> summaries
     try:
         for i, sc in enumerate(scenarios):
-            for b in backends:
-                progress(f"[{b.label}] C={sc.concurrency} prompt={sc.prompt_tokens} {sc.prefix} ...", err=True)
-                res = bench.run_scenario(b, bench.Scenario(**{**sc.__dict__, "label": b.label}), seed + i)
-                summaries.append(res.summary())
-            if compare == "mlx-lm":
-                progress(f"[mlx-lm] C={sc.concurrency} prompt={sc.prompt_tokens} {sc.prefix} ...", err=True)
-                base.append(bench.run_mlx_lm_scenario(llm.model, llm.tokenizer, sc, seed + i).summary())
-            elif baseline is not None:
-                progress(f"[baseline] C={sc.concurrency} prompt={sc.prompt_tokens} {sc.prefix} ...", err=True)
-                base.append(bench.run_scenario(baseline, bench.Scenario(**{**sc.__dict__, "label": "baseline"}),
-                                               seed + i).summary())
+            for r in range(repeats):
+                s = seed + i + 1000 * r
+                for b in backends:
+                    runs.setdefault((i, b.label), []).append(_measure(b.label, sc, progress, lambda sc_: (
+                        bench.run_scenario(b, sc_, s))))
+                if compare == "mlx-lm":
+                    runs.setdefault((i, "mlx-lm"), []).append(_measure("mlx-lm", sc, progress, lambda sc_: (
+                        bench.run_mlx_lm_scenario(llm.model, llm.tokenizer, sc_, s))))
+                elif baseline is not None:
+                    runs.setdefault((i, "baseline"), []).append(_measure("baseline", sc, progress, lambda sc_: (
+                        bench.run_scenario(baseline, sc_, s))))
     finally:
         for b in backends:
             b.close()
+    base_label = "mlx-lm" if compare == "mlx-lm" else "baseline" if baseline is not None else None
+    summaries = [bench.median_summary(v) for (i, label), v in runs.items() if label != base_label]
+    base = [bench.median_summary(v) for (i, label), v in runs.items() if label == base_label]
     return summaries, base
+
+
+def _measure(label: str, sc, progress, run) -> dict:
+    from macinfer.perf import bench
+
+    progress(f"[{label}] C={sc.concurrency} prompt={sc.prompt_tokens} {sc.prefix} ...", err=True)
+    return run(bench.Scenario(**{**sc.__dict__, "label": label})).summary()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
-from macinfer.cli.options import engine_option
+from macinfer.cli.options import engine_option, one_line_errors
+from macinfer.errors import MacinferError
 
 
 @click.command("chat")
@@ -21,9 +24,12 @@ from macinfer.cli.options import engine_option
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--draft", help="Speculative decoding drafter: ngram, a draft model, MODEL+ngram or auto (toggle with /spec).")
 @click.option("--no-prefix-cache", is_flag=True, help="Start with the prefix cache off (toggle with /prefix-cache).")
+@click.option("--resume", type=click.Path(dir_okay=False),
+              help="Continue a conversation saved with /save (its model and settings; options given here win).")
 @engine_option
+@one_line_errors
 def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, dequantize, draft, no_prefix_cache,
-             engine):
+             resume, engine):
     """Chat with MODEL in a terminal UI that shows live speed and memory figures.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local model
@@ -34,13 +40,28 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
     Examples:
       macinfer chat
       macinfer chat ./my-mlx-model --system "Answer briefly." --temp 0.7
+      macinfer chat --resume chat.json                    # after /save chat.json
     """
     from tui.app import ChatApp  # light: MLX and the model load in the engine process, behind a progress bar
+    from tui.session import ChatSession
 
+    session = None
+    if resume:
+        session, saved_model = ChatSession.load(resume)
+        model = model or saved_model
+        ctx = click.get_current_context()
+        for attr, name, value in (("system", "system", system), ("temperature", "temp", temp),
+                                  ("max_tokens", "max_tokens", max_tokens), ("seed", "seed", seed)):
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+                setattr(session, attr, value)
+
+    if os.environ.get("MLX_RANK") is not None:  # set by mlx.launch on every rank
+        raise MacinferError("chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) "
+                            "or `macinfer run`")
     options = {"engine": engine, **({"kv_memory": kv_memory} if kv_memory else {})}
     if draft:
         options["draft"] = draft
     if no_prefix_cache:
         options["enable_prefix_cache"] = False
     ChatApp(model, dequantize=dequantize, peak_bandwidth=peak_bandwidth, system=system, temperature=temp,
-            max_tokens=max_tokens, seed=seed, engine_options=options).run()
+            max_tokens=max_tokens, seed=seed, engine_options=options, session=session, resumed_from=resume).run()

@@ -19,7 +19,7 @@ import time
 
 import click
 
-from macinfer.perf.timing import median_ms
+from macinfer.timing import median_ms
 
 RAN, SKIPPED, FAILED = "ran", "skipped", "failed"
 CHECKS = ("system", "software", "metal", "bandwidth", "kernel_self_check", "kernel_timing", "decode")
@@ -29,6 +29,7 @@ CHECKS = ("system", "software", "metal", "bandwidth", "kernel_self_check", "kern
 # common head sizes; 80 and 96 are not multiples of the 32 lanes; 256 halves the simdgroups.
 GRID_HEAD_DIMS = (64, 80, 96, 128, 256)
 GRID_BLOCK_SIZES = (16, 32)
+GRID_KV_BITS = (None, 8)  # float pools, and 8-bit KV read by the quantised kernel
 # Kernel vs SDPA timing: one decode query per sequence, the embedded model's attention shape.
 TIMING_BATCHES = (1, 8, 32)
 TIMING_CONTEXTS = (1024, 8192)
@@ -208,34 +209,35 @@ def check_kernel_self_check(ctx):
     ctx["kernel_ok"] = False
     ma.build_kernel()
     cases, worst = 0, {}
-    for head_dim in GRID_HEAD_DIMS:
-        for block_size in GRID_BLOCK_SIZES:
-            for dtype in ma.SUPPORTED_DTYPES:
-                for i, case in enumerate(ma.self_check_cases(block_size, head_dim)):
-                    args = ma.random_problem(i, head_dim=head_dim, block_size=block_size, dtype=dtype, **case)
-                    got = ma.paged_attention_metal(**args).astype(mx.float32)
-                    want = paged_attention(**args).astype(mx.float32)
-                    mx.eval(got, want)
-                    cases += 1
-                    tol = ma.TOLERANCE[dtype]
-                    name = str(dtype).split(".")[-1]
-                    if got.shape != want.shape:
-                        raise CheckFailed(f"kernel output shape {got.shape} != reference {want.shape} "
-                                          f"(head_dim {head_dim}, block {block_size}, {name}, case {i} {case})",
-                                          {"cases_run": cases})
-                    err = mx.abs(got - want).max().item()
-                    worst[name] = max(worst.get(name, 0.0), err)
-                    if not mx.allclose(got, want, rtol=tol, atol=tol).item():
-                        raise CheckFailed(f"kernel disagrees with the reference: head_dim {head_dim}, block "
-                                          f"{block_size}, {name}, case {i} {case}: max |diff| {err:.3g} > {tol} "
-                                          "(the engine falls back to the reference)",
-                                          {"cases_run": cases, "max_abs_diff": worst})
+    grid = [(d, bs, dtype, bits) for d in GRID_HEAD_DIMS for bs in GRID_BLOCK_SIZES for bits in GRID_KV_BITS
+            for dtype in ma.SUPPORTED_DTYPES if bits is None or d % 32 == 0]  # MLX's groups are 32 / 64 / 128
+    for head_dim, block_size, dtype, bits in grid:
+        for i, case in enumerate(ma.self_check_cases(block_size, head_dim)):
+            args = ma.random_problem(i, head_dim=head_dim, block_size=block_size, dtype=dtype, kv_bits=bits,
+                                     **case)
+            got = ma.paged_attention_metal(**args).astype(mx.float32)
+            want = paged_attention(**args).astype(mx.float32)
+            mx.eval(got, want)
+            cases += 1
+            tol = ma.TOLERANCE[dtype]
+            name = str(dtype).split(".")[-1] + (f" kv{bits}" if bits else "")
+            if got.shape != want.shape:
+                raise CheckFailed(f"kernel output shape {got.shape} != reference {want.shape} "
+                                  f"(head_dim {head_dim}, block {block_size}, {name}, case {i} {case})",
+                                  {"cases_run": cases})
+            err = mx.abs(got - want).max().item()
+            worst[name] = max(worst.get(name, 0.0), err)
+            if not mx.allclose(got, want, rtol=tol, atol=tol).item():
+                raise CheckFailed(f"kernel disagrees with the reference: head_dim {head_dim}, block "
+                                  f"{block_size}, {name}, case {i} {case}: max |diff| {err:.3g} > {tol} "
+                                  "(the engine falls back to the reference)",
+                                  {"cases_run": cases, "max_abs_diff": worst})
     ctx["kernel_ok"] = True
     figures = {"cases": cases, "head_dims": list(GRID_HEAD_DIMS), "block_sizes": list(GRID_BLOCK_SIZES),
                "max_abs_diff": worst}
     diffs = ", ".join(f"{k} {v:.2g}" for k, v in worst.items())
     return (f"kernel matches the reference in {cases} cases (head_dim {'/'.join(map(str, GRID_HEAD_DIMS))} x block "
-            f"{'/'.join(map(str, GRID_BLOCK_SIZES))} x 3 dtypes); max |diff| {diffs}"), figures
+            f"{'/'.join(map(str, GRID_BLOCK_SIZES))} x 3 dtypes, float and 8-bit KV); max |diff| {diffs}"), figures
 
 
 def _timing_problem(batch: int, context: int, dtype, *, heads, kv_heads, head_dim, block_size):

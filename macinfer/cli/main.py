@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
-from macinfer.cli.options import engine_option, one_line
+from macinfer.cli.options import engine_option, one_line, parallel_option
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 
@@ -58,6 +59,7 @@ def run_stats(out, info, peak) -> dict:
         "cached_tokens": m.cached_tokens,
         "ttft_s": m.ttft,
         "prefill_tps": m.prefill_tps,
+        "prompt_cached": m.prompt_cached,
         "generation_tokens": m.generation_tokens,
         "decode_tps": m.decode_tps,
         "peak_memory_bytes": mx.get_peak_memory(),
@@ -82,7 +84,7 @@ def stats_line(s: dict) -> str:
     parts = [
         f"prompt {s['prompt_tokens']} tok" + (f" ({s['cached_tokens']} cached)" if s["cached_tokens"] else ""),
         f"TTFT {f(s['ttft_s'], '.2f')} s",
-        f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
+        "prompt cached" if s["prompt_cached"] else f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
         f"generated {s['generation_tokens']} tok",
         f"decode {f(s['decode_tps'], '.1f')} tok/s",
         f"peak mem {fmt_bytes(s['peak_memory_bytes'])}",
@@ -108,9 +110,14 @@ def stats_line(s: dict) -> str:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling threshold in (0, 1].")
 @click.option("--top-k", default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
 @click.option("--min-p", default=0.0, show_default=True, help="Drop tokens below min-p x p(top token) (0: off).")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Random seed for reproducible sampling.")
+@click.option("--seed", type=int, help="Random seed for reproducible sampling (0 to 2**64 - 1).")
+@click.option("--stop", multiple=True, help="End the reply before this text (repeatable).")
+@click.option("--repetition-penalty", default=1.0, show_default=True,
+              help="Divide the logits of the last 20 tokens by this (> 1 repeats less; mlx-lm's penalty).")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="The reply is JSON valid under the JSON schema in FILE (enforced while sampling).")
 @click.option("--peak-bandwidth", type=float, help="Peak memory bandwidth in GB/s (default: detected or probed).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 2GB (default: sized from the machine).")
 @click.option("--attention", type=click.Choice(["auto", "metal", "reference"]), default="auto", show_default=True,
@@ -125,8 +132,10 @@ def stats_line(s: dict) -> str:
 @click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
-def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_template, as_json,
-            peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine):
+@parallel_option
+def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
+            as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
+            parallel):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -146,6 +155,10 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     shipped for the model with lookup (smollm2-135m+ngram). Off by default
     (with drafts, a --seed run is not reproducible: k depends on timing).
 
+    --json-schema FILE constrains the reply to JSON valid under that schema: every
+    token is sampled from those the grammar allows (llguidance), and the reply
+    ends as soon as the JSON is complete.
+
     \b
     Examples:
       macinfer run "What is the capital of France?"
@@ -153,11 +166,15 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
+      macinfer run "Describe Paris as JSON" --json-schema city.json
+      mlx.launch --hostfile hosts.json --backend ring -- macinfer run MODEL "Hello"   # across Macs
     """
     from macinfer.core.sampling import SamplingParams
 
     model, prompt = _model_and_prompt(args)
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty,
+                            structured=_read_schema(json_schema) if json_schema else None)
 
     from macinfer.perf.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM
@@ -173,7 +190,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, no_chat_t
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
-    llm = LLM(model, dequantize=dequantize, engine=engine, **options)
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **options)
     info = llm.info
     if verbose:
         _print_details(llm)
@@ -197,6 +214,22 @@ def _model_and_prompt(args: tuple[str, ...]) -> tuple[str | None, str]:
     if not prompt.strip():
         raise MacinferError("the prompt is empty: give some text to complete")
     return model, prompt
+
+
+def _read_schema(path: Path):
+    """--json-schema FILE as a StructuredOutput, checked before the model loads."""
+    from macinfer.core.grammar import StructuredOutput
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MacinferError(f"--json-schema {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        structured = StructuredOutput(json_schema=text)
+        structured.lark()
+    except ValueError as e:
+        raise MacinferError(f"--json-schema {path}: {e}") from None
+    return structured
 
 
 def _print_details(llm) -> None:

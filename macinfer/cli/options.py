@@ -88,3 +88,9 @@ engine_option = click.option(
     "--engine", type=click.Choice(["auto", "paged", "mlx-lm"]), default="auto", show_default=True,
     help="paged: macinfer's paged engine; mlx-lm: mlx-lm's BatchGenerator (dense KV: no paging, prefix cache, "
          "speculation or quantised KV); auto: paged, else mlx-lm for a model the paged engine cannot run.")
+
+
+parallel_option = click.option(
+    "--parallel", type=click.Choice(["auto", "tensor", "pipeline"]), default="auto", show_default=True,
+    help="Started by mlx.launch on several ranks: split the model by tensor parallelism (its heads over the ranks) "
+         "or pipeline parallelism (its layers); auto: tensor where mlx-lm can, else pipeline. Ignored in one process.")

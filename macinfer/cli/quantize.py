@@ -14,6 +14,7 @@ import click
 from macinfer.cli.options import one_line
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes  # noqa: F401  (evaluate and bench_quantize import it from here)
+from macinfer.units import fmt_size_change
 
 
 
@@ -88,7 +89,7 @@ def quantize_cmd(src, out, bits, group_size, recipe, awq, calibration, calibrati
     click.echo(f"quantized {r.source} -> {r.out}  ({bits}-bit g{group_size}, recipe {recipe}, {method})")
     before = f"{fmt_bytes(r.size_before)}" + (f" ({r.requantized_from})" if r.requantized_from else "")
     click.echo(f"  size           {before} -> {fmt_bytes(r.size_after)}"
-               f"  ({r.size_before / max(r.size_after, 1):.2f}x smaller)")
+               f"  ({fmt_size_change(r.size_before, r.size_after)})")
     click.echo(f"  bits/weight    {r.bpw_before:.2f} -> {r.bpw_after:.3f}  ({r.num_params:,} parameters)")
     click.echo(f"  layers         {layers}")
     if r.awq_loss_ratio:

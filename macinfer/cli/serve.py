@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from macinfer.cli.options import engine_option, engine_options, one_line_errors
+from macinfer.cli.options import engine_option, engine_options, one_line_errors, parallel_option
 
 
 @click.command("serve")
@@ -15,23 +15,34 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes it to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--api-key", envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on every request.")
+@click.option("--health-auth", is_flag=True, help="Require the API key on /health too (open by default, for load balancers).")
+@click.option("--max-queue", type=click.IntRange(0),
+              help="Requests waiting beyond --max-num-seqs at most (default 256); more get 429 with Retry-After.")
 @click.option("--served-model-name", help="The model name clients send (default: the model's name).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 4GB (default: sized from the machine).")
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most.")
 @click.option("--dequantize/--keep-quantized", default=None,
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
+@click.option("--lenient", is_flag=True,
+              help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
 @engine_option
+@parallel_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
-def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_seqs, dequantize, log_level, engine):
+def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, kv_memory, max_num_seqs, dequantize,
+              lenient, log_level, engine, parallel):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
     "stream": true), GET /v1/models, /health, /metrics (Prometheus). Concurrent
     clients are batched by the engine; a client that disconnects aborts its request.
-    Sampling defaults are OpenAI's (temperature 1); vLLM's extensions top_k, min_p,
-    ignore_eos and return_token_ids are accepted too.
+    Sampling defaults are OpenAI's (temperature 1). Also: logprobs, penalties,
+    logit_bias, n > 1 (sharing the prompt's KV), tools; vLLM's top_k, min_p,
+    ignore_eos, return_token_ids; mlx-lm's repetition_penalty. An unknown field
+    is a 400 naming it, unless --lenient. With --api-key, every route but
+    /health needs the key (--health-auth: /health too). Bodies over 8 MiB get 413;
+    beyond --max-queue waiting requests, 429 with Retry-After.
 
     \b
     Examples:
@@ -39,18 +50,26 @@ def serve_cmd(model, host, port, api_key, served_model_name, kv_memory, max_num_
       macinfer serve ./my-mlx-model --port 8080 --api-key secret
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+      mlx.launch --hostfile hosts.json --backend ring -- macinfer serve MODEL   # across Macs: rank 0 serves
     """
     from macinfer.llm import LLM
-    from macinfer.serve.server import create_app
+    from macinfer.serve.server import check_api_key, create_app
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    check_api_key(api_key)  # before the model loads
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, engine=engine, **engine_options(kv_memory, max_num_seqs))
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **engine_options(kv_memory, max_num_seqs))
     engine = getattr(llm, "engine", None)
     if hasattr(engine, "describe"):
         click.echo(engine.describe(), err=True)
     import uvicorn
 
-    app = create_app(llm, api_key=api_key, model_name=served_model_name)
+    limits = {"max_queue": max_queue} if max_queue is not None else {}
+    app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
+                     **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
+    if llm.info.path is not None:  # `macinfer rm` refuses it while this server runs
+        from macinfer.modelio.leases import take
+
+        take(llm.info.path, f"macinfer serve on port {port}")
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -343,6 +343,13 @@ class BlockPool:
         seq.block_table = [b.block_id for b in blocks]
         return True
 
+    def forked_blocks(self, parent: Sequence, num_tokens: int) -> list[KVCacheBlock]:
+        """The blocks of parent's first num_tokens slots (whole blocks), for a fork to share.
+
+        Takes no references (allocate_slots does, as for prefix-cache hits).
+        """
+        return self.req_to_blocks.get(parent.request_id, [])[: num_tokens // self.block_size]
+
     def free(self, seq: Sequence) -> None:
         """Release all of seq's blocks, last block first (see module docstring).
 

@@ -26,6 +26,8 @@ Design choices:
   garbage). A file that fails (corrupt, from another model, truncated, an older
   format) is never used: one warning, and the file is deleted. Files are fsynced
   before they take a block's name.
+- A process killed mid-write leaves a `.tmp` file; files an hour old are removed when a
+  store opens (a live writer's are seconds old).
 - The whole tier (every model's directory under the root) is bounded by
   `max_bytes`: least recently used files go first, whichever model they belong
   to, so the directories of deleted models drain away. Use = a save or a load,
@@ -46,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.kv.paged_attention import block_slots
+from macinfer.staging import remove_stale
 
 FORMAT = "macinfer-prefix-block/2"  # /2: a digest of the tensor bytes in the metadata
 
@@ -74,6 +77,8 @@ class DiskPrefixStore:
     def __init__(self, directory: str | Path, model_id: str, caches: list, block_size: int, max_bytes: int):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        # Temporary files of killed processes (any model's): invisible to the size limit, so swept here.
+        remove_stale(self.directory.parent, "*/.*.tmp")
         self.model_id = model_id
         self.caches = caches
         self.block_size = block_size

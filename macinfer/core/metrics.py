@@ -6,7 +6,9 @@ A request's life, as the engine stamps it:
     |<-------- TTFT ------->|<------------ decode time --------->|
 
 Prefill tok/s counts only the prompt tokens actually computed (cached prefix
-tokens are free); decode tok/s counts the tokens after the first.
+tokens are free), and is None when the prefix cache held the whole prompt: the
+few tokens left are one forward's fixed cost, not a rate. Decode tok/s counts
+the tokens after the first.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class RequestMetrics:
     finish_time: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_cached: bool = False  # every full block of the prompt came from the prefix cache
     generation_tokens: int = 0
     # Speculative decoding: tokens proposed by the drafter and accepted by the target.
     draft_tokens: int = 0
@@ -44,7 +47,7 @@ class RequestMetrics:
     def prefill_tps(self) -> float | None:
         ttft = self.ttft
         computed = self.prompt_tokens - self.cached_tokens
-        if not ttft or ttft <= 0:
+        if not ttft or ttft <= 0 or self.prompt_cached:
             return None
         return computed / ttft
 

@@ -15,7 +15,9 @@ are evaluated one after the other (see the NOTE in execute_model).
 
 Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
 a seeded request draws the same tokens whatever else is in the batch. Greedy
-rows share one argmax.
+rows share one argmax, except `per_row` ones (penalties, logit_bias, logprobs:
+`sample_row`), which never carry drafts. Rows with structured output sample from logits masked by
+their grammar (macinfer.core.grammar); the masks are computed while MLX runs the forward.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import mlx.nn as nn
 from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
+from macinfer.core.grammar import apply_masks
 from macinfer.core.lm_head import split_head
+from macinfer.core.logprobs import LogprobRows
 from macinfer.core.scheduler import ScheduledSequence
 
 
@@ -72,10 +76,15 @@ class ModelRunner:
         # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
         self._body = self._head = None
-        self._hidden_out: list[mx.array] = []  # evaluated with the forward (see the NOTE in execute_model)
+        # Arrays evaluated with each forward (see the NOTE in execute_model): the hidden states a feature
+        # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
+        self._with_forward: list[mx.array] = []
+        self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
         # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         self.verifier = None
+        # Structured output (set by the engine): fill_masks(matchers) -> int32 (B, W) token bitmasks.
+        self.fill_masks = None
 
     def set_hidden_sink(self, sink) -> None:
         """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
@@ -88,12 +97,29 @@ class ModelRunner:
         self.hidden_sink(seqs, starts, counts, h)
         # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
         # still reads the pools, and a later write to them would then copy every pool.
-        self._hidden_out.append(h)
+        self._with_forward.append(h)
         return h
 
-    def _take_hidden(self) -> list[mx.array]:
-        out, self._hidden_out = self._hidden_out, []
+    def _take_with_forward(self) -> list[mx.array]:
+        out, self._with_forward = self._with_forward, []
         return out
+
+    def sample_row(self, seq, logits: mx.array, history: mx.array | None = None,
+                   into: LogprobRows | None = None) -> mx.array:
+        """A per_row sequence's next token (1,) from its logits (1, V), lazily.
+
+        Args:
+            history: the sequence's token ids so far (default: seq.token_ids), what penalties read.
+            into: where the token's logprobs go, if the request asked (default: this step's rows).
+        """
+        sampler = seq.sampler
+        if history is None and sampler.processors:
+            history = mx.array(seq.token_ids, dtype=mx.int32)
+        logprobs = sampler.logprobs(logits, history)
+        token = sampler.pick(logprobs)
+        if seq.params.logprobs is not None:
+            (self.logprob_rows if into is None else into).add(seq, logprobs, token)
+        return token
 
     @property
     def kv_bytes(self) -> int:
@@ -108,31 +134,42 @@ class ModelRunner:
             all_logits: the logits of every position instead: (B, L, V).
             head: applied to the final hidden states of the model's body (`model.model`)
                 instead of the model's own head (a draft's head over part of the vocabulary).
+        """
+        starts = [r.seq.num_computed_tokens for r in rows]
+        tokens = []
+        for r, start in zip(rows, starts):
+            ids = r.seq.token_ids[start: start + r.num_new_tokens]
+            if len(ids) < r.num_new_tokens:
+                ids = ids + r.seq.spec_token_ids[: r.num_new_tokens - len(ids)]
+            tokens.append(ids)
+        return self.run_forward([r.seq.block_table for r in rows], starts, tokens, [r.seq for r in rows],
+                                all_logits, head, [r.seq.num_prompt_tokens for r in rows])
 
+    def run_forward(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]], seqs=None,
+                    all_logits: bool = False, head=None, prompt_lens: list[int] | None = None) -> mx.array:
+        """The forward of `forward`, from its plan: row i computes tokens[i] from position starts[i].
+
+        `seqs` (the rows' sequences) is needed only by state layers and a hidden-state sink;
+        a rank that follows another's plan (macinfer.engine.distributed) has neither. prompt_lens:
+        the rows' prompt lengths, for a prompt window (ForwardContext.prompt_lens), if known.
         Padding sits at the end of a row: its tokens are id 0, its K/V writes go to
         the null block, its queries see only garbage that nobody reads.
         """
-        counts = [r.num_new_tokens for r in rows]
-        starts = [r.seq.num_computed_tokens for r in rows]
-        L = self.set_context([r.seq.block_table for r in rows], starts, counts)
-        tokens, last = [], [n - 1 for n in counts]
-        for r, start, n in zip(rows, starts, counts):
-            ids = r.seq.token_ids[start: start + n]
-            if len(ids) < n:
-                ids = ids + r.seq.spec_token_ids[: n - len(ids)]
-            tokens.append(ids + [0] * (L - n))
+        counts = [len(t) for t in tokens]
+        L = self.set_context(tables, starts, counts, prompt_lens)
+        last = [n - 1 for n in counts]
         if self.states is not None:
-            self.states.bind([r.seq for r in rows], counts, L)
-        inputs = mx.array(tokens, dtype=mx.int32)
+            self.states.bind(seqs, counts, L)
+        inputs = mx.array([t + [0] * (L - len(t)) for t in tokens], dtype=mx.int32)
         if self.hidden_sink is not None or head is not None:
             if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
-                h = self._hidden(inputs, [r.seq for r in rows], starts, counts)
+                h = self._hidden(inputs, seqs, starts, counts)
             else:
                 h = self.model.model(inputs, cache=self.caches)
             head = head or self._head
             if all_logits:
                 return head(h)
-            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(rows)), mx.array(last)]
+            h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(tokens)), mx.array(last)]
             return head(h)  # (B, V): the head on the sampled positions only
         if all_logits:
             return self.model(inputs, cache=self.caches)  # (B, L, V)
@@ -142,14 +179,16 @@ class ModelRunner:
             return logits[:, 0, :]
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
-        return logits[mx.arange(len(rows)), mx.array(last)]
+        return logits[mx.arange(len(tokens)), mx.array(last)]
 
-    def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> int:
+    def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int],
+                    prompt_lens: list[int] | None = None) -> int:
         """Set the metadata every layer's cache reads for the next forward; returns its length L.
 
         Row i computes counts[i] new tokens from position starts[i] through its block table
         tables[i]; rows are right-padded to L = max(counts), and padding writes go to the
-        null block (slot 0 of block 0).
+        null block (slot 0 of block 0). prompt_lens: each row's prompt length (a prompt
+        window, ForwardContext.prompt_lens), if known.
         """
         bs = self.block_size
         L = max(counts)
@@ -161,36 +200,63 @@ class ModelRunner:
         c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
         c.block_tables = tables
         c.context_lens = [s + L for s in starts]
+        c.prompt_lens = prompt_lens
         c.slot_blocks = mx.array(blocks, dtype=mx.int32)
         c.slot_offsets = mx.array(slots, dtype=mx.int32)
         c.memo = {}
         return L
 
-    def launch_decode(self, seqs: list, tokens: mx.array) -> mx.array:
+    def launch_decode(self, seqs: list, tokens: mx.array) -> tuple[mx.array, LogprobRows]:
         """Async scheduling: queue one decode row per sequence without waiting for anything.
 
         Each seq computes the token at position seq.num_computed_tokens (its slot is
         allocated); `tokens` (B,) are the input ids, usually the previous step's sampled
         ids, still lazy. The graph is built now and handed to mx.async_eval, so the host
         can resolve the previous step (and build the next one) while this one computes,
-        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,).
+        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,) and the rows'
+        logprobs (delivered when the ids are read back).
         """
         starts = [s.num_computed_tokens for s in seqs]
-        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs))
+        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
         if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
             self.states.bind(seqs, [1] * len(seqs), 1)
         if self.hidden_sink is None:
             logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
         else:
             logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
-        if all(s.sampler.params.greedy for s in seqs):
+        logprob_rows = LogprobRows()
+        if all(s.sampler.params.greedy and not s.sampler.per_row for s in seqs):
             sampled = mx.argmax(logits, axis=-1)
         else:
-            sampled = mx.concatenate([mx.argmax(logits[j: j + 1], axis=-1) if s.sampler.params.greedy
-                                      else s.sampler(logits[j: j + 1]) for j, s in enumerate(seqs)])
+            sampled = mx.concatenate([self._launch_row(s, logits[j: j + 1], tokens[j: j + 1], logprob_rows)
+                                      for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
-        mx.async_eval(sampled, [c.state for c in self.caches], self._take_hidden())
-        return sampled
+        mx.async_eval(sampled, [c.state for c in self.caches], self._take_with_forward(), logprob_rows.arrays())
+        return sampled, logprob_rows
+
+    def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:
+        """One row of a launched decode: (1, V) logits -> (1,) token; `token` is its input id."""
+        sampler = seq.sampler
+        if not sampler.per_row:
+            return mx.argmax(logits, axis=-1) if sampler.params.greedy else sampler(logits)
+        history = None
+        if sampler.processors:
+            history = mx.array(seq.token_ids, dtype=mx.int32)
+            if len(seq.token_ids) == seq.num_computed_tokens:  # the input id is the step in flight's, lazy
+                history = mx.concatenate([history, token.astype(mx.int32)])
+        return self.sample_row(seq, logits, history, into=logprob_rows)
+
+    def _verify(self, group: list[int], rows: list[ScheduledSequence], pending: list) -> list:
+        """A forward holding drafts: the verifier's rows, and per_row rows (no drafts) sampled into pending."""
+        logits = self._masked(rows, self.forward(rows, all_logits=True))  # (B, L, V)
+        own = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.per_row]
+        if not own:
+            return self.verifier(group, rows, logits)
+        for j in own:
+            assert not rows[j].num_spec_tokens, rows[j]  # per_row requests never draft
+            pending.append(([group[j]], self.sample_row(rows[j].seq, logits[j, rows[j].num_new_tokens - 1][None])))
+        rest = [j for j in range(len(rows)) if j not in own]
+        return self.verifier([group[j] for j in rest], [rows[j] for j in rest], logits[mx.array(rest)])
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
         """Rows per forward: all 1-token rows together; chunks batched while padding stays small.
@@ -220,6 +286,17 @@ class ModelRunner:
                       for g in groups for n in sorted({scheduled[i].num_new_tokens for i in g})]
         return groups
 
+    def _masked(self, rows: list[ScheduledSequence], logits: mx.array) -> mx.array:
+        """The logits with each structured-output row's grammar mask applied (the others as they are).
+
+        The forward is queued first, so the masks are computed (native threads, no GIL) while it runs.
+        """
+        matchers = [r.seq.grammar if r.samples else None for r in rows]
+        if all(m is None for m in matchers):
+            return logits
+        mx.async_eval(logits, [c.state for c in self.caches])
+        return apply_masks(logits, self.fill_masks(matchers))
+
     def execute_model(self, scheduled: list[ScheduledSequence]) -> list[int | list[int] | None]:
         """Compute this step's tokens; return the sampled token per row (None: mid-prefill).
 
@@ -231,28 +308,34 @@ class ModelRunner:
         for group in self._groups(scheduled):
             rows = [scheduled[i] for i in group]
             if any(r.num_spec_tokens for r in rows):
-                new = self.verifier(group, rows, self.forward(rows, all_logits=True))
+                new = self._verify(group, rows, pending)
                 verified += new
-                mx.eval([v for _, v in verified] + [c.state for c in self.caches] + self._take_hidden())  # the NOTE below
+                mx.eval([v for _, v in verified] + [ids for _, ids in pending] + [c.state for c in self.caches]
+                        + self._take_with_forward() + self.logprob_rows.arrays())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
                     from macinfer.core.state_pool import refeed_rejected
 
                     refeed_rejected(self, rows, new, group)
                 continue
-            logits = self.forward(rows)  # (B, V)
-            greedy = [j for j, r in enumerate(rows) if r.samples and r.seq.sampler.params.greedy]
+            logits = self._masked(rows, self.forward(rows))  # (B, V)
+            greedy = [j for j, r in enumerate(rows)
+                      if r.samples and r.seq.sampler.params.greedy and not r.seq.sampler.per_row]
             if greedy:
                 picked = logits if len(greedy) == len(rows) else logits[mx.array(greedy)]
                 pending.append(([group[j] for j in greedy], mx.argmax(picked, axis=-1)))
             for j, r in enumerate(rows):
-                if r.samples and not r.seq.sampler.params.greedy:
+                if r.samples and r.seq.sampler.per_row:
+                    pending.append(([group[j]], self.sample_row(r.seq, logits[j: j + 1])))
+                elif r.samples and not r.seq.sampler.params.greedy:
                     pending.append(([group[j]], r.seq.sampler(logits[j: j + 1])))
             # NOTE: evaluate each forward (pools included: a mid-prefill chunk samples
             # nothing, yet its K/V writes must happen) before building the next. The
             # pools are updated in place only while no other array shares their
             # buffer; a later forward chained onto this one's lazy pool views would
             # copy every pool instead (measured: seconds per step on a 256 MB pool).
-            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_hidden())
+            mx.eval([ids for _, ids in pending] + [c.state for c in self.caches] + self._take_with_forward()
+                    + self.logprob_rows.arrays())
+        self.logprob_rows.deliver()
         out: list[int | None] = [None] * len(scheduled)
         for idx, ids in pending:
             for i, t in zip(idx, ids.tolist()):

@@ -21,6 +21,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list | None = None  # a TokenLogprob per token_ids entry, if asked for
 
     @property
     def finished(self) -> bool:
@@ -40,3 +41,4 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    logprobs: list | None = None  # a TokenLogprob per token_ids entry, if asked for

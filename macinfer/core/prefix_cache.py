@@ -86,7 +86,8 @@ def model_identity(model, info=None, specs=(), block_size: int = 16) -> str:
         block_size: tokens per block.
     """
     key: dict = {"v": HASH_VERSION, "block_size": block_size,
-                 "layers": [[s.n_kv_heads, s.k_head_dim, s.v_head_dim, s.window, str(s.dtype)] for s in specs],
+                 "layers": [[s.n_kv_heads, s.k_head_dim, s.v_head_dim, s.window, str(s.dtype)]
+                            + ([s.chunk] if s.chunk else []) for s in specs],
                  "params": _param_fingerprint(model)}
     args = getattr(model, "args", None)  # mlx-lm's ModelArgs: rope settings etc. live here
     if args is not None:

@@ -5,23 +5,54 @@ same order as `mlx_lm.sample_utils.make_sampler`, so a request samples from
 exactly the distribution mlx-lm would. The difference is the random key: each
 request owns a key derived from its seed, so rows of a batch sample
 independently and a seeded request is reproducible whatever else is running.
+
+Penalties and logit_bias are mlx-lm's logits processors (`make_logits_processors`),
+applied as `generate_step` applies them: to the row's logits, given every token of the
+sequence so far (prompt and output; each penalty looks at the last
+`repetition_context_size` of them), before the log-softmax the sampler draws from.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from macinfer.core.sampling_params import SamplingParams  # noqa: F401  (re-exported: its home for most callers)
+from macinfer.core.sampling_params import MAX_STOP_STRINGS, SamplingParams  # noqa: F401  (re-exported)
 
 
 class Sampler:
-    """Turns one request's logits into tokens, with the request's own RNG key."""
+    """Turns one request's logits into tokens, with the request's own RNG key.
+
+    NOTE: `per_row` requests (logits processors, or logprobs asked for) are sampled from
+    their own logits row with `logprobs(logits, history)` then `pick`, never in a batched
+    argmax, and never draft (speculation would need the penalties at every drafted position).
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
         self.key = mx.random.key(seed)
+        p, ctx = params, params.repetition_context_size
+        self.processors = make_logits_processors(
+            {int(k): float(v) for k, v in p.logit_bias.items()} or None,
+            p.repetition_penalty if p.repetition_penalty != 1 else None, ctx,
+            p.presence_penalty or None, ctx, p.frequency_penalty or None, ctx)
+        self.per_row = bool(self.processors) or p.logprobs is not None
+
+    def logprobs(self, logits: mx.array, history: mx.array | None = None) -> mx.array:
+        """(1, V) logits -> (1, V) log-probabilities after the logits processors.
+
+        history: every token id of the sequence so far (1-D), what the processors look at.
+        """
+        for proc in self.processors:
+            logits = proc(history, logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def pick(self, logprobs: mx.array) -> mx.array:
+        """A token id per row from log-probabilities (..., V): argmax, or a filtered draw."""
+        if self.params.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=self.next_key())
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """Apply top-p, min-p, top-k (mlx-lm's order) to log-probabilities (..., V)."""
@@ -46,9 +77,10 @@ class Sampler:
         return sub
 
     def __call__(self, logits: mx.array) -> mx.array:
-        """Sample token ids from logits (..., V) -> (...)."""
+        """Sample token ids from logits (..., V) -> (...), without logits processors.
+
+        mlx-lm's BatchGenerator calls it with processed log-probabilities (DenseEngine).
+        """
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        logprobs = self.filter(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=self.next_key())
+        return self.pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

@@ -16,6 +16,17 @@ catching up with `num_tokens`, and each step hands out at most
 
 A sequence whose KV could not fit even in an empty pool finishes with
 "length" instead of cycling through preemption forever.
+
+Forks (n > 1 samples of one prompt): a sequence with `fork_of` waits until its parent
+has computed the prompt's full blocks, then starts from them (ref_cnt + 1 each, as a
+prefix hit) and computes only the prompt's last, partial block itself:
+
+    parent  [b1 b2 b3 | b4: p p g g]        b1..b3 shared (ref_cnt 3)
+    fork 1  [b1 b2 b3 | b5: p p g g]        the tail block is recomputed: the decode
+    fork 2  [b1 b2 b3 | b6: p p g g]        tokens of each sample land in blocks of its own
+
+NOTE: a fork takes only blocks its parent has computed, so what it shares never depends on
+the parent's later steps (a parent preempted mid-prefill would leave them unwritten).
 """
 
 from __future__ import annotations
@@ -146,6 +157,8 @@ class Scheduler:
         # 2. Waiting, FCFS: stop at the first that does not fit (no overtaking).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._fork_waits(seq):
+                break
             if self._never_fits(seq, seq.num_uncomputed_tokens):
                 self.waiting.popleft()
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
@@ -159,7 +172,10 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             self._admitted(seq)
             if seq.num_preemptions == 0:
+                # A hit ends on a block boundary before the last prompt token, so the whole prompt
+                # was cached when no more than one block is left to compute.
                 seq.metrics.cached_tokens = num_cached
+                seq.metrics.prompt_cached = num_cached > 0 and seq.num_tokens - num_cached <= pool.block_size
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -167,10 +183,27 @@ class Scheduler:
             budget -= n
         return out
 
+    def _fork_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens a fork shares with its parent: the full blocks before the last prompt token."""
+        bs = self.block_pool.block_size
+        return (seq.num_prompt_tokens - 1) // bs * bs
+
+    def _fork_waits(self, seq: Sequence) -> bool:
+        """A fork waits while its parent (not finished) has not computed the blocks it shares."""
+        parent = seq.fork_of
+        return (parent is not None and not parent.is_finished
+                and (parent.status is SequenceStatus.WAITING or parent.num_computed_tokens < self._fork_tokens(seq)))
+
     # -- hooks (macinfer.core.state_pool.StateScheduler) --------------------------------------
     def _computed_blocks(self, seq: Sequence):
-        """The prefix hit an admitted seq starts from: (blocks, tokens)."""
-        return self.block_pool.get_computed_blocks(seq)
+        """The prefix hit an admitted seq starts from: (blocks, tokens); a fork's are its parent's."""
+        hits = self.block_pool.get_computed_blocks(seq)
+        parent = seq.fork_of
+        if parent is not None and not parent.is_finished:
+            shared = self.block_pool.forked_blocks(parent, self._fork_tokens(seq))
+            if len(shared) > len(hits[0]):  # with the prefix cache on, it finds these very blocks
+                return shared, len(shared) * self.block_pool.block_size
+        return hits
 
     def _cap(self, seq: Sequence, start: int, n: int) -> int:
         """How many of the n tokens from start seq computes this step."""

@@ -72,8 +72,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.sampler = Sampler(params)
+        # Structured output: an llguidance matcher that has consumed exactly the generated tokens
+        # (macinfer.core.grammar), set by the engine; None: free text.
+        self.grammar = None
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.num_preemptions = 0
+        # n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).
+        self.fork_of: Sequence | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))
         # Text: `text` is everything decoded so far; `num_emitted_chars` how much of
         # it has been streamed (stop strings hold some back until they are ruled out).
@@ -81,6 +86,10 @@ class Sequence:
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
+        # Logprobs (params.logprobs set): one TokenLogprob per output token, and the one the
+        # runner computed for the token the engine is about to append (macinfer.core.logprobs).
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.pending_logprob = None
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -108,9 +117,12 @@ class Sequence:
         return self.status.value if self.status.is_finished else None
 
     # -- updates ----------------------------------------------------------------------
-    def append_token(self, token_id: int) -> None:
-        """Add a generated token and extend the decoded text."""
+    def append_token(self, token_id: int, logprob=None) -> None:
+        """Add a generated token (and its TokenLogprob, if asked for) and extend the decoded text."""
         self.token_ids.append(token_id)
+        if self.logprobs is not None:
+            assert logprob is not None and logprob.token_id == token_id, (token_id, logprob)
+            self.logprobs.append(logprob)
         self.metrics.generation_tokens = self.num_output_tokens
         if self.detokenizer is not None:
             self.detokenizer.add_token(token_id)

@@ -83,9 +83,21 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.max_num_batched_tokens is None:
-            # A chunk's forward blocks every decode of that step: keep it short where
-            # prefill is slow (CPU, ~50 tok/s on a 135M model) and longer on Metal.
-            self.max_num_batched_tokens = max(512 if mx.metal.is_available() else 128, self.max_num_seqs)
+            self.max_num_batched_tokens = max(default_token_budget(mx.metal.is_available()), self.max_num_seqs)
+
+
+def default_token_budget(metal: bool) -> int:
+    """Tokens per step unless set: how many prompt tokens a step may prefill beside its decodes.
+
+    A chunk's forward delays every decode of its step, which argues for short chunks; but each
+    forward also has a fixed cost (a graph built and run layer by layer), and recurrent layers
+    (macinfer.kv.state_cache) step through a chunk one position at a time whatever its rows, so
+    a forward costs about its padded length, not its token count. Short chunks then multiply
+    the forwards: 16 prompts of 64 tokens take one step at 1024 and eight at 128. mlx-lm's
+    BatchGenerator prefills up to 8 prompts x 2048 tokens a forward, vLLM 2048 tokens a step.
+    Half that without Metal, where a forward of a given size takes longer.
+    """
+    return 2048 if metal else 1024
 
 
 def wire_memory() -> bool:
@@ -101,18 +113,45 @@ def wire_memory() -> bool:
     return maybe_set_recommended_wired_limit() is not None
 
 
-def default_kv_memory(weight_bytes: int) -> int:
-    """The KV budget when none is given (see module docstring)."""
-    if mx.metal.is_available():
-        try:
-            info = mx.device_info()
-        except AttributeError:
-            info = mx.metal.device_info()
-        working_set = int(info.get("max_recommended_working_set_size", 0))
-        if working_set:
-            margin = max(1 << 30, working_set // 10)  # activations, other apps
-            return max(256 << 20, working_set - weight_bytes - margin)
-    return 1 << 30
+KV_SHARE_OF_MEMORY = 8  # the default KV budget is at most 1/8 of the machine's memory
+
+
+def metal_device_info() -> dict | None:
+    """MLX's Metal device info (memory_size, max_recommended_working_set_size, ...), None without Metal."""
+    if not mx.metal.is_available():
+        return None
+    try:
+        return mx.device_info()
+    except AttributeError:
+        return mx.metal.device_info()
+
+
+def default_kv_memory(weight_bytes: int, device: dict | None = None) -> int:
+    """The KV budget when none is given.
+
+    On Metal: what the recommended working set leaves after the weights and a margin (1 GiB or a
+    tenth of the working set, for activations and other apps), and at most an eighth of the
+    machine's memory: 1 / 2 / 3 / 8 GiB on 8 / 16 / 24 / 64 GB Macs; never below 256 MiB. Without
+    Metal (or without the sizes): 1 GiB.
+
+    NOTE: the pool is allocated whole at start-up and does not grow (docs/platform.md, "KV pool
+    size"), so the default is the size most sessions need, not all the memory there is: a
+    working set's worth of KV for a 135M model on an 8 GB Mac pinned ~4 GB and pushed the rest
+    of the system into swap. kv_memory / --kv-memory sets more.
+
+    Args:
+        device: MLX's device info (tests pass one); default `metal_device_info()`.
+    """
+    info = metal_device_info() if device is None else device
+    working_set = int((info or {}).get("max_recommended_working_set_size", 0))
+    if not working_set:
+        return 1 << 30
+    margin = max(1 << 30, working_set // 10)  # activations, other apps
+    room = working_set - weight_bytes - margin
+    memory = int(info.get("memory_size", 0))
+    if memory:
+        room = min(room, memory // KV_SHARE_OF_MEMORY)
+    return max(256 << 20, room)
 
 
 def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
@@ -154,8 +193,11 @@ class MemoryPlan:
     num_blocks: int
 
 
-def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: int, model_type: str) -> MemoryPlan:
+def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: int, model_type: str,
+                device: dict | None = None) -> MemoryPlan:
     """Budget -> bytes per token and block, state slots and snapshots, and the number of KV blocks.
+
+    device: MLX's Metal device info for the default budget (`default_kv_memory`; tests pass one).
 
     Raises:
         MacinferError: the budget holds no block, or the recurrent state alone outgrows it.
@@ -182,7 +224,7 @@ def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: i
         kv_budget = config.num_blocks * bytes_per_block + state_bytes + snapshot_bytes
         return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, config.num_blocks)
     kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
-                 else default_kv_memory(weight_bytes))
+                 else default_kv_memory(weight_bytes, device))
     if state_bytes >= kv_budget:
         raise MacinferError(
             f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "

@@ -32,7 +32,8 @@ What BatchGenerator does not allow, so this engine does not do:
   layers prefills one prompt at a time (mlx-lm's padded joint prefill is not exact there);
 - the first tokens of a step are computed one step ahead (mlx-lm pipelines its decode),
   so a request stopped by a stop string or EOS costs one more row before it leaves;
-- logits processors (repetition penalty etc.) are not exposed.
+- penalties, logit_bias and logprobs are BatchGenerator's own (per-row logits processors,
+  its logprobs), the same mlx-lm functions the paged engine applies.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from macinfer.core.logprobs import from_vector
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sequence import Sequence, SequenceStatus
@@ -55,7 +57,7 @@ PAGED_ONLY = {"kv_memory": "paging", "num_blocks": "paging", "block_size": "pagi
               "draft": "speculation", "num_speculative_tokens": "speculation",
               "adaptive_speculation": "speculation", "kv_bits": "quantised KV", "kv_group_size": "quantised KV",
               "attention": "paged attention", "async_scheduling": "async scheduling"}
-OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV")
+OFF_FEATURES = ("paging", "prefix cache", "speculation", "quantised KV", "structured output")
 
 
 @dataclass
@@ -105,7 +107,8 @@ class _DenseRequests:
     def add(self, seq: Sequence) -> None:
         p = seq.params
         (uid,) = self.gen.insert([seq.prompt_token_ids], max_tokens=[seq.max_tokens],
-                                 samplers=[None if p.greedy else seq.sampler])  # None: batched argmax
+                                 samplers=[None if p.greedy else seq.sampler],  # None: batched argmax
+                                 logits_processors=[list(seq.sampler.processors)])
         self.by_uid[uid], self.uid_of[seq.request_id] = seq, uid
         self.waiting.append(seq)
 
@@ -211,8 +214,13 @@ class DenseEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense)."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    fork_of: str | None = None) -> str:
+        """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense,
+        so a fork (`fork_of`) shares nothing and runs as a request of its own)."""
+        if params is not None and params.structured is not None:
+            raise MacinferError(f"structured output needs the paged engine; {self.model_type} runs on mlx-lm's "
+                                "fallback engine, which cannot constrain sampling")
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -254,6 +262,8 @@ class DenseEngine:
                 continue  # stopped (or aborted) by us a step ago: the generator's extra row
             self.scheduler.start(seq)
             seq.num_computed_tokens = seq.num_tokens  # the cache holds every token before this one
+            if seq.logprobs is not None:  # BatchGenerator's logprobs are mlx-lm's: after the processors
+                seq.pending_logprob = from_vector(r.logprobs, int(r.token), seq.params.logprobs)
             delta = self._process_token(seq, int(r.token))
             if delta is not None:
                 deltas.append(delta)

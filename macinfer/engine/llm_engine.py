@@ -15,7 +15,7 @@ decoding, step n+1 is queued before step n's tokens are read back.
 
 KV budget: `kv_memory` (bytes, or "2GB" = 2e9 / "2GiB" = 2**30: macinfer.units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
-margin; elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
+margin, at most an eighth of memory (engine/config.py default_kv_memory); elsewhere 1 GiB. Either way it is capped at what max_num_seqs sequences
 of full context length could use. `describe()` reports the resulting capacity.
 Models with recurrent state layers (macinfer.kv.state_cache) take max_num_seqs state
 slots out of the same budget first, and with the prefix cache on their state snapshots
@@ -27,15 +27,18 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from functools import partial
 
 
 from macinfer.core.block_pool import BlockPool
+from macinfer.core.grammar import GrammarCompiler, advance
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
+from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
 from macinfer.engine.pipeline import InFlight, PipelinedSteps
 from macinfer.core.sampling import SamplingParams
@@ -53,14 +56,18 @@ class LLMEngine(PipelinedSteps):
         tokenizer: mlx-lm's TokenizerWrapper (for EOS ids and streaming text).
         info: macinfer.loader.ModelInfo, or None (context length then comes from
             max_model_len or the model's config).
+        ranks: macinfer.engine.distributed.Ranks when the model is split across processes
+            (the leader's runner sends each forward's plan; a follower's only runs them), else None.
         **options: EngineConfig fields.
     """
 
-    def __init__(self, model, tokenizer, info=None, **options):
+    def __init__(self, model, tokenizer, info=None, ranks=None, **options):
         self.config = config = EngineConfig(**options)
-        self.model, self.tokenizer, self.info = model, tokenizer, info
+        self.model, self.tokenizer, self.info, self.ranks = model, tokenizer, info, ranks
         model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
         self.specs = inspect_model(model, model_type)
+        if ranks is not None:
+            check_model(ranks, self.specs, model_type)
         self.max_model_len = config.max_model_len or (info.context_length if info is not None else
                                                       getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
 
@@ -69,13 +76,14 @@ class LLMEngine(PipelinedSteps):
         plan = plan_memory(config, self.specs, self.max_model_len, getattr(info, "weight_bytes", 0), model_type)
         self.bytes_per_token, self.bytes_per_block = plan.bytes_per_token, plan.bytes_per_block
         self.state_bytes, self.snapshot_bytes, self.kv_budget = plan.state_bytes, plan.snapshot_bytes, plan.kv_budget
-        num_blocks = plan.num_blocks
+        num_blocks = plan.num_blocks if ranks is None else ranks.agree_min(plan.num_blocks)  # each rank's pools fit
         states = getattr(self.specs, "states", None)
         snapshots = bool(states) and config.enable_prefix_cache
         wire_memory()
         self.block_pool = BlockPool(num_blocks, bs)
-        self.runner = ModelRunner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
-                                  kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+        runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
+        self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
+                             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.state_pool = self.snapshots = None
         if states:
@@ -87,7 +95,7 @@ class LLMEngine(PipelinedSteps):
                                             self.snapshots)
         else:
             self.scheduler = Scheduler(sched_config, self.block_pool)
-        from macinfer.kv.metal_attention import select_attention
+        from macinfer.kv.kernel_dispatch import select_attention
         from macinfer.kv.paged_attention import paged_attention
 
         fn, self.attention_backend = select_attention(config.attention, paged_attention,
@@ -107,6 +115,9 @@ class LLMEngine(PipelinedSteps):
             # and its accepted tokens fed again (macinfer.core.state_pool.refeed_rejected).
             check_drafter(self.spec.drafter, self.runner, model_type)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.grammars = GrammarCompiler(getattr(tokenizer, "_tokenizer", tokenizer), _logits_width(model, tokenizer),
+                                        list(self.eos_token_ids))
+        self.runner.fill_masks = self.grammars.fill_masks
         self.requests: dict[str, Sequence] = {}
         self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
         self._inflight: InFlight | None = None  # a launched decode step not yet read back
@@ -156,11 +167,13 @@ class LLMEngine(PipelinedSteps):
             **prefix_cache_stats(self.block_pool),
             **(self.state_pool.stats() if self.state_pool is not None else {}),
             **(self.snapshots.stats_dict() if self.snapshots is not None else {}),
+            **(self.ranks.stats() if self.ranks is not None else {}),
         }
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    fork_of: str | None = None) -> str:
         """Queue a request.
 
         Args:
@@ -168,13 +181,15 @@ class LLMEngine(PipelinedSteps):
             params: sampling parameters (default: greedy, 256 tokens).
             request_id: unique id, or None to draw one.
             arrival_time: perf_counter() stamp for metrics (default: now).
+            fork_of: the id of an unfinished request with the same prompt (n > 1 samples):
+                this one shares its prompt's KV blocks (macinfer.core.scheduler, forks).
 
         Returns:
             The request id.
 
         Raises:
-            MacinferError: empty prompt, prompt longer than the context, or a
-                prompt whose KV could never fit in the pool.
+            MacinferError: empty prompt, prompt longer than the context, a prompt whose KV
+                could never fit in the pool, or a structured output grammar that is invalid.
         """
         seq = self._new_sequence(prompt, params, request_id, arrival_time)
         n = len(seq.prompt_token_ids)
@@ -182,6 +197,14 @@ class LLMEngine(PipelinedSteps):
             raise MacinferError(
                 f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
                 f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
+            seq.fork_of = parent
+        if seq.params.structured is not None:
+            try:
+                seq.grammar = self.grammars.matcher(seq.params.structured)
+            except ValueError as e:
+                raise MacinferError(str(e)) from None
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -196,6 +219,10 @@ class LLMEngine(PipelinedSteps):
         if len(ids) >= self.max_model_len:
             raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
                                 f"{self.max_model_len}: shorten it")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab and any(t >= vocab for t in params.logit_bias):  # an index past the logits: refused
+            raise MacinferError(f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
+                                f"has {vocab} tokens (ids 0 to {vocab - 1})")
         request_id = request_id or uuid.uuid4().hex[:12]
         if request_id in self.requests:
             raise MacinferError(f"request id {request_id!r} is already in use")
@@ -279,11 +306,17 @@ class LLMEngine(PipelinedSteps):
             m.kv_tokens_sum += seq.num_tokens
         p = seq.params
         status = None
+        logprob, seq.pending_logprob = seq.pending_logprob, None
+        complete = seq.grammar is not None and advance(seq.grammar, tok)  # nothing but EOS may follow
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
+        elif complete and tok in self.eos_token_ids:  # ignore_eos: the grammar still ends here
+            status = SequenceStatus.FINISHED_STOPPED
         else:
-            seq.append_token(tok)
+            seq.append_token(tok, logprob)
             if p.stop and self._truncate_at_stop(seq):
+                status = SequenceStatus.FINISHED_STOPPED
+            elif complete:
                 status = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= seq.max_tokens:
                 status = SequenceStatus.FINISHED_LENGTH
@@ -312,9 +345,10 @@ class LLMEngine(PipelinedSteps):
         new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
         if not text and not new_ids:
             return None
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_emitted_tokens:]
         seq.num_emitted_chars = max(seq.num_emitted_chars, end)
         seq.num_emitted_tokens = seq.num_output_tokens
-        return StreamDelta(seq.request_id, text, new_ids)
+        return StreamDelta(seq.request_id, text, new_ids, logprobs=logprobs)
 
     def _finish(self, seq: Sequence) -> StreamDelta:
         """The final delta of a finished sequence, with its RequestOutput."""
@@ -330,7 +364,15 @@ class LLMEngine(PipelinedSteps):
             text=seq.text,
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            logprobs=seq.logprobs,
         )
         self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
         self.requests.pop(seq.request_id, None)
+        seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta
+
+
+def _logits_width(model, tokenizer) -> int:
+    """The number of columns of the model's logits: its config's vocab_size, else the tokenizer's."""
+    width = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(width) if isinstance(width, int) and width > 0 else len(getattr(tokenizer, "_tokenizer", tokenizer))

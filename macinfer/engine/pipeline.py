@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from macinfer.core.logprobs import LogprobRows
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sequence import Sequence
 
@@ -30,6 +31,7 @@ class InFlight:
 
     seqs: list[Sequence]
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
+    logprob_rows: LogprobRows  # the rows' logprobs (those that asked), delivered with the ids
 
 
 class PipelinedSteps:
@@ -62,7 +64,8 @@ class PipelinedSteps:
         """The sequences the next step can decode without reading anything back, or [].
 
         Pipelining only covers the steady state: every running sequence decoding, nobody
-        waiting who could be admitted, no drafts, a free slot for each row without preempting.
+        waiting who could be admitted, no drafts, a free slot for each row without preempting,
+        no structured output (its mask for step n+1 needs step n's token).
         With a step in flight, a sequence whose pending token is its last (max_tokens)
         is left out: it is certain to finish.
         """
@@ -71,7 +74,8 @@ class PipelinedSteps:
         # queue is longer than max_num_seqs still runs its full batch ahead.
         admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
         if (not self.config.async_scheduling or admissible
-                or not running or (len(running) > 1 and not self.runner.batch_decode)):
+                or not running or (len(running) > 1 and not self.runner.batch_decode)
+                or any(s.grammar is not None for s in running)):
             return []
         if prev is None:
             if any(s.num_uncomputed_tokens != 1 for s in running):
@@ -103,17 +107,19 @@ class PipelinedSteps:
             assert ok, s  # _decode_rows counted the free blocks
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        sampled = self.runner.launch_decode(rows, tokens)
+        sampled, logprob_rows = self.runner.launch_decode(rows, tokens)
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
         if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
             self.scheduler.take_snapshots(rows, lazy=True)
-        return InFlight(rows, sampled)
+        return InFlight(rows, sampled, logprob_rows)
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
         """Read a launched step's tokens back and process them like a synchronous step."""
         deltas = []
-        for seq, tok in zip(step.seqs, step.tokens.tolist()):
+        tokens = step.tokens.tolist()
+        step.logprob_rows.deliver()
+        for seq, tok in zip(step.seqs, tokens):
             if seq.is_finished:  # stopped a step earlier, or aborted: the row is dropped
                 continue
             delta = self._process_token(seq, tok)

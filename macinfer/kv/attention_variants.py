@@ -23,9 +23,10 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4 (MLA): mlx-lm already caches the compressed latent
-  (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values per token) and expands or absorbs it
-  inside attention, asking its cache for the whole context back and for a mask array. The pools
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3 (MLA): mlx-lm
+  already caches the compressed latent (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values
+  per token) and expands or absorbs it inside attention, asking its cache for the whole context
+  back and for a mask array. The pools
   page exactly that latent (one "KV head": K = latent, V = rope key); the layer is handed a
   `_LatentContext` whose update_and_fetch writes the pools and returns the dense context of
   this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
@@ -35,6 +36,10 @@ code for anything else (so mlx-lm keeps working on the same model object):
 While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's attention is
 kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
 MLA layer reports the latent's shapes (what it pages) instead of the expanded K/V it attends.
+
+- llama4: three layers in four attend within fixed chunks (ChunkedKVCache); their caches mask
+  their chunk in paged attention (`chunk`), and the model body hands each layer its cache's mask
+  instead of mlx-lm's chunk mask array. Its NoPE layers' query scaling takes per-row offsets.
 
 - gpt_bigcode builds its learned position ids with np.arange(cache.offset, ...), a Python int:
   its model body is subclassed to take one position per row from a (B,) offset array.
@@ -65,7 +70,7 @@ class SharedKVView(PagedKVCache):
 
     def __init__(self, source: PagedKVCache):  # no pools of its own
         self.source = source
-        self.ctx, self.window, self.block_size = source.ctx, source.window, source.block_size
+        self.ctx, self.window, self.chunk, self.block_size = source.ctx, source.window, source.chunk, source.block_size
 
     @property
     def offset(self):
@@ -119,6 +124,15 @@ def _probing() -> bool:
 # -- per-family subclasses ---------------------------------------------------------------------------
 
 
+def _project(attn, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """mlx-lm's usual q/k/v projections: (B, L, dim) -> (B, n_heads | n_kv_heads, L, head_dim) each."""
+    B, L, _ = x.shape
+    queries, keys, values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    queries = queries.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = keys.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+
 class _Gemma2Attention:
     """gemma2.Attention with soft-capped paged attention (mixed in before mlx-lm's class)."""
 
@@ -127,10 +141,7 @@ class _Gemma2Attention:
             return super().__call__(x, mask, cache)
         # mlx-lm's gemma2 Attention up to the scores, unchanged.
         B, L, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = _project(self, x)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
@@ -213,30 +224,29 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
     One row reads exactly its C slots (one slice when its blocks are a contiguous run), as
     mlx-lm's KVCache returns them; a batch gathers every row's padded block table.
     """
-    from macinfer.kv.paged_attention import block_slots
+    from macinfer.kv.paged_attention import block_slots, slice_slots, take_slots
 
     if cache.window is not None:
         raise NotImplementedError("a dense context of a sliding-window layer")
     ctx, bs = cache.ctx, cache.block_size
-    if hasattr(cache, "_compact"):  # quantised pools: the referenced blocks, dequantised
-        k_pool, v_pool, tables = cache._compact()
-    else:
-        k_pool, v_pool, tables = cache.k_pool, cache.v_pool, ctx.block_tables
+    # quantised pools (QuantPool): dequantised after the slice or gather
+    k_pool, v_pool = cache.pools() if hasattr(cache, "pools") else (cache.k_pool, cache.v_pool)
+    tables = ctx.block_tables
     lens = ctx.context_lens
     if len(lens) == 1:
         blocks = list(tables[0][: -(-lens[0] // bs)])
         if all(b == blocks[0] + i for i, b in enumerate(blocks)):
             s0 = blocks[0] * bs
-            return k_pool[None, :, s0: s0 + lens[0]], v_pool[None, :, s0: s0 + lens[0]]
+            return slice_slots(k_pool, s0, s0 + lens[0])[None], slice_slots(v_pool, s0, s0 + lens[0])[None]
         ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
-        return k_pool[:, ids][None], v_pool[:, ids][None]
+        return take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]
     key = ("dense_slots", id(tables))
     if key not in ctx.memo:
         MB = max(-(-c // bs) for c in lens)
         padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
         ctx.memo[key] = (block_slots(padded, bs), tables)  # tables kept alive: its id is the key
     slots = ctx.memo[key][0]
-    return k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
+    return take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
 
 
 class _ShapeRecorder:
@@ -313,6 +323,48 @@ class _GPTBigCodeModel:
         return self.ln_f(hidden_states)
 
 
+class _Llama4Model:
+    """llama4's LlamaModel on paged caches: every layer's mask comes from its own cache.
+
+    mlx-lm trims each ChunkedKVCache to its last chunk_size keys (maybe_trim_front) and builds
+    one chunk mask array from cache[0].start_position and an int offset. On paged caches a
+    chunked layer's cache knows its chunk (LayerSpec.chunk) and masks it in paged attention:
+    a query at p sees keys p // chunk * chunk .. p, exactly what mlx-lm's mask leaves visible
+    (its trimmed cache always still holds that chunk). Global layers get the causal mask.
+    """
+
+    def __call__(self, inputs, cache=None):
+        if cache is None or not isinstance(cache[0], (PagedKVCache, _OffsetsProbeCache)):
+            return super().__call__(inputs, cache)  # mlx-lm's own caches
+        h = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c.make_mask(h.shape[1]), cache=c)
+        return self.norm(h)
+
+
+class _Llama4Attention:
+    """llama4's Attention with one offset per row in its NoPE layers' query scaling.
+
+    mlx-lm's attention temperature tuning scales the queries of the layers without rope by
+    log(floor(position / floor_scale) + 1) * attn_scale + 1, positions from
+    mx.arange(offset + 1, offset + L + 1): that needs an int offset. A batched forward has a (B,)
+    array, so those layers compute the same scales per row here; everything else is mlx-lm's.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        offset = cache.offset if cache is not None else 0
+        if self.use_rope or not self.attn_temperature_tuning or not (isinstance(offset, mx.array) and offset.ndim == 1):
+            return super().__call__(x, mask, cache)
+        B, L, _ = x.shape
+        queries, keys, values = _project(self, x)
+        positions = offset[:, None] + mx.arange(1, L + 1)  # (B, L) int32, as mlx-lm's arange per row
+        scales = mx.log(mx.floor(positions / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+        queries = (queries * scales[:, None, :, None]).astype(queries.dtype)  # (B, 1, L, 1) over the heads
+        keys, values = cache.update_and_fetch(keys, values)
+        out = _pc.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 # mlx-lm module -> {attention class name: mixin}
 _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
@@ -320,11 +372,15 @@ _VARIANTS = {
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
+    "mlx_lm.models.bailing_hybrid": {"MultiLatentAttention": _LatentAttention},
+    "mlx_lm.models.bailing_moe_v3": {"BailingMLA": _LatentAttention},
     "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
     "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
+    "mlx_lm.models.llama4": {"LlamaModel": _Llama4Model, "Attention": _Llama4Attention},  # chunk masks
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
-_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
+_MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite",
+                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3")
 _subclasses: dict[type, type] = {}
 
 

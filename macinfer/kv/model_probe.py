@@ -50,18 +50,13 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
     Raises:
         MacinferError: naming the architecture, if any layer cannot be paged.
     """
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
 
     # Recurrent layers (ArraysCache) get state slots (macinfer.kv.state_cache); the rest must be attention.
     model_caches = make_prompt_cache(model)
     caches, states, layout = split_caches(model_caches, model_type)
-    for c in caches:
-        if type(c) not in (KVCache, RotatingKVCache):
-            raise MacinferError(
-                f"{model_type}: layers with a {type(c).__name__} (not plain attention) cannot use the "
-                "paged KV cache yet; this architecture is not supported by the engine"
-            )
+    for c in caches:  # split_caches refused every other cache type
         if isinstance(c, RotatingKVCache) and c.keep:
             raise MacinferError(f"{model_type}: attention-sink caches (keep={c.keep}) are not supported")
     install_attention_patch(model)
@@ -83,7 +78,9 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
     for c in caches:
         kshape, vshape, dtype = by_cache[id(c)]
         window = c.max_size if isinstance(c, RotatingKVCache) else None
-        specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window, dtype=dtype))
+        chunk = c.chunk_size if isinstance(c, ChunkedKVCache) else None
+        specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window,
+                               dtype=dtype, chunk=chunk))
     return ModelSpecs(specs, state_specs(states, model_type), layout) if states else specs
 
 

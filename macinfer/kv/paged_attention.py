@@ -30,16 +30,70 @@ Masking, for query i of a row with context length C and q_len queries:
 
     key slot j:   0 1 2 ... C-q_len ... C-1 | C ... S-1 (padding)
     query i sits at absolute position p = C - q_len + i and sees
-    j <= p, and j > p - window for a sliding-window layer.
+    j <= p, and j > p - window for a sliding-window layer,
+    and j >= p // chunk * chunk for a chunked layer (llama4's local attention):
+
+    chunk = 4:  keys  0 1 2 3 | 4 5 6 7 | 8 9
+                query p = 6 sees 4 5 6;  p = 8 sees 8 alone
+
+plamo3's prompt window: mlx-lm's plamo3 asks its RotatingKVCache(W) for a (W + 1)-token mask.
+That cache holds W keys in a one-token step but the W - 1 keys before a multi-token forward
+plus its own, so in mlx-lm's generate_step (the prompt but its last token in forwards of
+2048 tokens, then one token per forward) a query at p sees W + 1 tokens when p is a prompt
+token before the last one and not the first of a 2048-token forward, else W tokens:
+
+    prompt_window = W + 1 if p < prompt_len - 1 and p % 2048 != 0 else W
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 
 
+class QuantPool(NamedTuple):
+    """A quantised K or V pool (macinfer.kv.quant): MLX affine codes with a scale and bias per group.
+
+        codes            uint32 (n_kv_heads, slots, head_dim * bits / 32), element d of a slot in
+                         word d // (32 / bits) at bit (d % (32 / bits)) * bits, lowest first
+        scales, biases   (n_kv_heads, slots, head_dim / group_size):  x = scale * code + bias
+    """
+
+    codes: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dequantised pool's shape (n_kv_heads, slots, head_dim)."""
+        H, S, words = self.codes.shape
+        return (H, S, words * 32 // self.bits)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+
+def take_slots(pool: mx.array | QuantPool, ids: mx.array) -> mx.array:
+    """pool[:, ids] as floats: (n_kv_heads, *ids.shape, head_dim); a quantised pool is dequantised after the gather."""
+    if isinstance(pool, QuantPool):
+        return mx.dequantize(pool.codes[:, ids], pool.scales[:, ids], pool.biases[:, ids],
+                             group_size=pool.group_size, bits=pool.bits)
+    return pool[:, ids]
+
+
+def slice_slots(pool: mx.array | QuantPool, s0: int, s1: int) -> mx.array:
+    """pool[:, s0:s1] as floats (a view of a float pool: no copy)."""
+    if isinstance(pool, QuantPool):
+        return mx.dequantize(pool.codes[:, s0:s1], pool.scales[:, s0:s1], pool.biases[:, s0:s1],
+                             group_size=pool.group_size, bits=pool.bits)
+    return pool[:, s0:s1]
+
+
+MLX_LM_PREFILL_STEP = 2048  # mlx-lm generate_step's prefill_step_size (plamo3's prompt window)
 _SMALL_Q = 16  # up to this many queries per row, an additive causal mask built once per forward
 
 
@@ -51,6 +105,30 @@ def block_slots(block_tables: mx.array, block_size: int) -> mx.array:
 
 def _contiguous_run(block_table: list[int]) -> bool:
     return all(b == block_table[0] + i for i, b in enumerate(block_table))
+
+
+def row_blocks(table, C: int, q_len: int, bs: int, window: int | None, chunk: int | None = None,
+               prompt_window: int | None = None) -> tuple[int, list[int]]:
+    """The blocks one row's queries read: (first slot any query sees, rounded down to its block; their block ids).
+
+    window, chunk: the layer's (module docstring); prompt_window: plamo3's wider window, when it applies.
+    """
+    first = 0
+    if window is not None:
+        first = max(0, C - q_len - max(window, prompt_window or 0) + 1)
+    if chunk is not None:  # the first query's chunk starts no later than any later query's
+        first = max(first, (C - q_len) // chunk * chunk)
+    first = first // bs * bs
+    return first, list(table[first // bs: -(-C // bs)])
+
+
+def reads_one_slice(block_tables, context_lens, q_len: int, bs: int, window: int | None,
+                    chunk: int | None = None) -> bool:
+    """One row whose blocks in use are a contiguous run: the reference reads them as one slice, no copy
+    (mlx-lm's own path: a KVCache slice into MLX's SDPA)."""
+    if len(context_lens) != 1 or isinstance(block_tables, mx.array):
+        return False
+    return _contiguous_run(row_blocks(block_tables[0], int(context_lens[0]), q_len, bs, window, chunk)[1])
 
 
 def paged_attention(
@@ -66,6 +144,9 @@ def paged_attention(
     sinks: mx.array | None = None,
     memo: dict | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
+    prompt_window: int | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> mx.array:
     """Attention of the last q_len positions of each sequence over its paged context.
 
@@ -73,7 +154,8 @@ def paged_attention(
         queries: (B, n_heads, q_len, head_dim), already rotated; the q_len queries
             are the last q_len positions of each row's context.
         k_pool, v_pool: (n_kv_heads, num_blocks * block_size, head_dim[_v]), head-major
-            slots (module docstring), with this step's K/V already written.
+            slots (module docstring), with this step's K/V already written; or `QuantPool`s,
+            dequantised after the gather (only the slots read).
         block_tables: B block-id lists (or an int32 (B, max_blocks) array padded
             with the null block 0); a list shorter than context_lens[b] slots is
             padded with the null block.
@@ -92,43 +174,68 @@ def paged_attention(
         softcap: logit soft-capping (Gemma 2): scores become tanh(s / softcap) * softcap
             before the mask and the softmax. MLX's fused SDPA has no such step, so the
             scores are then computed by hand (`softcapped_attention`).
+        chunk: chunked local attention (llama4): a query at p sees only keys at
+            positions >= p // chunk * chunk (its own chunk), or None.
+        prompt_window, prompt_lens: plamo3's wider window for prompt queries (module
+            docstring) and each row's prompt length; without prompt_lens, `window` only.
 
     Returns:
         (B, n_heads, q_len, head_dim_v), like mx.fast.scaled_dot_product_attention.
     """
     lens = [int(c) for c in context_lens]
     memo = {} if memo is None else memo
+    prompt = None if prompt_window is None or prompt_lens is None else (prompt_window, list(prompt_lens))
     if queries.shape[0] == 1:
         table = block_tables[0] if not isinstance(block_tables, mx.array) else block_tables[0].tolist()
-        k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, memo)
+        k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, chunk, prompt, memo)
     else:
-        k, v, mask = _batch(queries, k_pool, v_pool, block_tables, lens, block_size, window, memo)
+        k, v, mask = _batch(queries, k_pool, v_pool, block_tables, lens, block_size, window, chunk, prompt, memo)
     return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
 
 
-def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict):
+def visible(key: mx.array, pos: mx.array, window: int | None, chunk: int | None) -> mx.array:
+    """Boolean mask: which key positions the queries at `pos` see (module docstring)."""
+    mask = key <= pos
+    if window is not None:
+        mask = mask & (key > pos - window)
+    if chunk is not None:
+        mask = mask & (key >= pos // chunk * chunk)
+    return mask
+
+
+def query_windows(pos: mx.array, window: int, prompt) -> int | mx.array:
+    """Each query's window: `window`, or with prompt = (prompt_window, prompt lens) plamo3's rule.
+
+    pos: (q_len, 1) positions of one row, or (B, q_len, 1) of a batch.
+    """
+    if prompt is None:
+        return window
+    prompt_window, plens = prompt
+    plen = plens[0] if pos.ndim == 2 else mx.array(plens, dtype=mx.int32)[:, None, None]
+    in_prompt = (pos < plen - 1) & (pos % MLX_LM_PREFILL_STEP != 0)
+    return mx.where(in_prompt, prompt_window, window)
+
+
+def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, chunk, prompt, memo: dict):
     """One row (single stream or a prefill chunk): (k, v, mask) over exactly the slots in use.
 
     MLX applies the causal mask, the same shapes mlx-lm's own KVCache would produce. Only the
-    window's blocks are read when it applies.
+    window's (the chunk's) blocks are read when it applies.
     """
     q_len = queries.shape[2]
-    first = 0
-    if window is not None:
-        first = max(0, C - q_len - window + 1) // bs * bs  # oldest slot any query sees
-    blocks = list(table[first // bs: -(-C // bs)])
+    first, blocks = row_blocks(table, C, q_len, bs, window, chunk, prompt and prompt[0])
     S = C - first
     if _contiguous_run(blocks):
         # Blocks handed out in order (the usual single-stream case): one slice, no copy.
         s0 = blocks[0] * bs
-        k, v = k_pool[None, :, s0: s0 + S], v_pool[None, :, s0: s0 + S]  # (1, n_kv, S, D)
+        k, v = slice_slots(k_pool, s0, s0 + S)[None], slice_slots(v_pool, s0, s0 + S)[None]  # (1, n_kv, S, D)
     else:
         key_ = ("row_slots", first)
         if key_ not in memo:
             memo[key_] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :S]
         ids = memo[key_]
-        k, v = k_pool[:, ids][None], v_pool[:, ids][None]  # (1, n_kv, S, D)
-    if window is None or S <= window and q_len == 1:
+        k, v = take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]  # (1, n_kv, S, D)
+    if chunk is None and prompt is None and (window is None or S <= window and q_len == 1):
         mask = "causal" if q_len > 1 else None
         if mask and q_len <= _SMALL_Q and memo.setdefault("cpu", mx.default_device().type == mx.DeviceType.cpu):
             # A verify step's few queries: on the CPU backend SDPA builds its causal mask in
@@ -142,11 +249,11 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, memo: dict
     else:
         pos = mx.arange(C - q_len, C)[:, None]  # (q_len, 1) absolute query positions
         key = mx.arange(first, C)[None]  # (1, S)
-        mask = (key <= pos) & (key > pos - window)
+        mask = visible(key, pos, query_windows(pos, window, prompt), chunk)
     return k, v, mask
 
 
-def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, memo: dict):
+def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, chunk, prompt, memo: dict):
     """Several rows: (k, v, mask) with every table padded to the longest with the null block, masked per row."""
     q_len = queries.shape[2]
     if "tables" not in memo:
@@ -159,17 +266,14 @@ def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, wind
         memo["slots"] = block_slots(memo["tables"], bs)  # (B, S)
     slots = memo["slots"]
     # One take along the slot axis: (n_kv, B, S, D) -> (B, n_kv, S, D).
-    k, v = k_pool[:, slots].transpose(1, 0, 2, 3), v_pool[:, slots].transpose(1, 0, 2, 3)
-    key_ = ("mask", window, q_len)
+    k, v = take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
+    key_ = ("mask", window, chunk, q_len, prompt and prompt[0])
     if key_ not in memo:
         S = k.shape[2]
         ctx = mx.array(lens, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         pos = ctx - q_len + mx.arange(q_len, dtype=mx.int32)[None, :, None]  # (B, q_len, 1)
         key = mx.arange(S, dtype=mx.int32)[None, None, :]  # (1, 1, S)
-        mask = key <= pos  # also hides padding: pos < C
-        if window is not None:
-            mask = mask & (key > pos - window)
-        memo[key_] = mask[:, None]  # (B, 1, q_len, S)
+        memo[key_] = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]  # hides padding: pos < C  # (B, 1, q_len, S)
     return k, v, memo[key_]
 
 

@@ -21,13 +21,14 @@ cache's `make_mask`. So one `PagedKVCache` per layer is enough:
   to mlx-lm's original (so mlx-lm keeps working in the same process).
 
 What cannot be paged is refused up front (`inspect_model`), never run wrong:
-layers whose mlx-lm cache is not a plain KVCache or a RotatingKVCache (chunked
-attention; recurrent ArraysCache layers get state slots instead, see
+layers whose mlx-lm cache is not a plain KVCache, a RotatingKVCache or a
+ChunkedKVCache (recurrent ArraysCache layers get state slots instead, see
 macinfer.kv.state_cache), and models that compute attention without going through
 `scaled_dot_product_attention`, except the families `macinfer.kv.attention_variants`
 routes itself (gemma2's soft-capping, gemma3n/gemma4 KV sharing, MLA's latent). Sliding
-window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size)
-and masked in attention; their pools hold every token (simple, correct; freeing
+window layers are learnt from mlx-lm's own `make_cache` (RotatingKVCache max_size),
+chunked ones (llama4's local attention) from its ChunkedKVCache chunk_size, and both
+are masked in attention; their pools hold every token (simple, correct; freeing
 blocks that slid out of the window is future work).
 """
 
@@ -39,7 +40,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.kv.metal_attention import padded_tables
-from macinfer.kv.paged_attention import paged_attention
+from macinfer.kv.paged_attention import paged_attention, reads_one_slice
 
 
 @dataclass
@@ -47,9 +48,11 @@ class PagedMask:
     """What make_mask hands the model: which window the model asked for."""
 
     window: int | None = None
+    prompt: bool = False  # window is a prompt window, one past the cache's (plamo3)
 
 
 KERNEL_MAX_Q_LEN = 8  # decode and verify rows (1 + drafts) only; MLX's own sdpa_vector limit
+_POSITIONAL = ("queries", "k_pool", "v_pool", "block_tables", "context_lens")
 
 
 @dataclass
@@ -62,6 +65,7 @@ class ForwardContext:
         context_lens   B ints: tokens in context after this step
         slot_blocks    int32 (T,): block id of each new token, row-major
         slot_offsets   int32 (T,): slot inside that block
+        prompt_lens    B ints: each row's prompt length (a prompt window needs it), or None
     """
 
     offsets: int | mx.array = 0
@@ -69,25 +73,49 @@ class ForwardContext:
     context_lens: list[int] = field(default_factory=list)
     slot_blocks: mx.array | None = None
     slot_offsets: mx.array | None = None
+    prompt_lens: list[int] | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
-    # The fused Metal kernel when the engine selected it (macinfer.kv.metal_attention); None: reference.
+    # The fused Metal kernel when the engine selected it (macinfer.kv.kernel_dispatch); None: reference.
     attention_fn: object = None
 
     def attend(self, queries, k_pool, v_pool, block_tables, *, block_size, scale, window, sinks, memo,
-               softcap=None) -> mx.array:
-        """Attention over pages with the selected backend (one place for every cache type)."""
-        extra = {} if softcap is None else {"softcap": softcap}  # logit soft-capping (attention_variants)
-        # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
-        # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
-        if self.attention_fn is not None and queries.shape[2] <= KERNEL_MAX_Q_LEN:
+               softcap=None, chunk=None, prompt_window=None) -> mx.array:
+        """Attention over pages with the selected backend (one place for every cache type).
+
+        k_pool, v_pool: float pools or `QuantPool`s (8-bit KV), which both paths read as they are.
+        """
+        args = dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+                    context_lens=self.context_lens, block_size=block_size, scale=scale, window=window, sinks=sinks)
+        # Logit soft-capping (attention_variants) and chunked attention (llama4), passed only when set.
+        args.update({k: x for k, x in (("softcap", softcap), ("chunk", chunk)) if x is not None})
+        if prompt_window is not None:  # two windows by position (plamo3): the reference path's alone
+            return paged_attention(**args, memo=memo, prompt_window=prompt_window, prompt_lens=self.prompt_lens)
+        fn = self.attention_fn
+        if fn is not None and self._kernel_may_run(fn, queries.shape[2], block_tables, block_size, window, chunk,
+                                                   memo):
             # The padded int32 tables once per forward, not per layer (1.5 ms a layer at 64 rows x 256 blocks).
             key = ("kernel_tables", block_size)
             if key not in memo:
                 memo[key] = padded_tables(block_tables, self.context_lens, block_size)
-            return self.attention_fn(queries, k_pool, v_pool, memo[key], self.context_lens,
-                                     block_size=block_size, scale=scale, window=window, sinks=sinks, **extra)
-        return paged_attention(queries, k_pool, v_pool, block_tables, self.context_lens,
-                               block_size=block_size, scale=scale, window=window, sinks=sinks, memo=memo, **extra)
+            use = getattr(fn, "use_kernel", None)  # KernelDispatch: checked and chosen per shape class
+            if use is None or use(args, memo[key]):
+                return fn(queries, k_pool, v_pool, memo[key], self.context_lens,
+                          **{k: v for k, v in args.items() if k not in _POSITIONAL})
+        return paged_attention(**args, memo=memo)
+
+    def _kernel_may_run(self, fn, q_len: int, block_tables, block_size: int, window, chunk, memo: dict) -> bool:
+        # The fused kernel is a decode kernel (a threadgroup per query row re-reads all K/V): prefill
+        # chunks go to MLX's SDPA on the gathered K/V, as MLX sends q_len > 8 to its tiled kernel.
+        if q_len > KERNEL_MAX_Q_LEN:
+            return False
+        # One row whose blocks are a contiguous run: one slice into MLX's SDPA, no copy (mlx-lm's path,
+        # with two-pass splitting on large chips); the kernel has no KV split. Worked out once per forward.
+        if not getattr(fn, "prefers_slice", False):
+            return True
+        key = ("one_slice", block_size, window, chunk)
+        if key not in memo:
+            memo[key] = reads_one_slice(block_tables, self.context_lens, q_len, block_size, window, chunk)
+        return not memo[key]
 
     def write_slots(self, block_size: int) -> int | mx.array:
         """Where this forward's T new tokens go in a pool: a first slot, or int32 (T,) slot ids.
@@ -148,6 +176,7 @@ class LayerSpec:
     v_head_dim: int
     window: int | None
     dtype: mx.Dtype
+    chunk: int | None = None  # chunked local attention (llama4): a query sees its own chunk only
 
     def bytes_per_token(self) -> int:
         return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
@@ -166,7 +195,7 @@ class PagedKVCache:
 
     def __init__(self, ctx: ForwardContext, spec: LayerSpec, num_blocks: int, block_size: int):
         self.ctx = ctx
-        self.window = spec.window
+        self.window, self.chunk = spec.window, spec.chunk
         self.block_size = block_size
         # (n_kv_heads, num_blocks * block_size, head_dim), head-major slots: see paged_attention for why.
         self.k_pool = mx.zeros((spec.n_kv_heads, num_blocks * block_size, spec.k_head_dim), dtype=spec.dtype)
@@ -188,6 +217,8 @@ class PagedKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if return_array:
             raise MacinferError("this model needs an explicit attention mask array, which paged attention cannot provide")
+        if self.window is not None and window_size == self.window + 1:
+            return PagedMask(window_size, prompt=True)  # plamo3 (paged_attention, `prompt_window`)
         if window_size is not None and window_size != self.window:
             raise MacinferError(
                 f"the model asks for a {window_size}-token attention window where its cache says "
@@ -200,9 +231,20 @@ class PagedKVCache:
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
         return self.ctx.attend(queries, self.k_pool, self.v_pool, self.ctx.block_tables,
                                block_size=self.block_size, scale=scale, window=self.window, sinks=sinks,
-                               memo=self.ctx.memo, softcap=softcap)
+                               memo=self.ctx.memo, softcap=softcap, chunk=self.chunk, prompt_window=prompt_window(mask))
 
     # -- the rest of mlx-lm's protocol --------------------------------------------------
+    @property
+    def keys(self):
+        return self.k_pool
+
+    @keys.setter
+    def keys(self, value):
+        # mlx-lm's pipelined models chain a stage's send onto its last cache (`cache.keys =
+        # mx.depends(cache.keys, h)`) so that evaluating the cache sends; across ranks every rank
+        # evaluates its logits instead (macinfer.engine.distributed), so the link is dropped.
+        pass
+
     @property
     def state(self):
         return [self.k_pool, self.v_pool]
@@ -216,6 +258,11 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.k_pool.nbytes + self.v_pool.nbytes
+
+
+def prompt_window(mask) -> int | None:
+    """The wider window a model asked for its prompt's queries (PagedMask.window past the cache's), or None."""
+    return mask.window if isinstance(mask, PagedMask) and mask.window is not None and mask.prompt else None
 
 
 # -- the attention dispatch (installed by macinfer.kv.model_probe) ---------------------------

@@ -11,10 +11,11 @@ block then holds packed uint32 codes plus one scale and bias per group.
 
 (head-major slots, slot = block * bs + offset, like the float pool: macinfer.kv.paged_attention)
 
-Attention dequantises only the blocks this forward's block tables reference into
-a compact float pool and remaps the tables onto it, then calls the same
-`paged_attention` as the float path, so batching, prefix sharing, windows and
-any future kernel work unchanged. Quantisation is per token row, so a token's
+Attention reads the pools as `QuantPool`s: the reference path gathers the codes,
+scales and biases of the slots it reads and dequantises them (gather + dequantise
++ SDPA, the same `paged_attention` as the float path, so batching, prefix sharing
+and windows work unchanged); the fused Metal kernel dequantises each key and value
+as it reads it (macinfer.kv.metal_attention), with no float copy of the pool. Quantisation is per token row, so a token's
 stored K/V never depends on what else is in the batch: batched output equals
 solo output exactly, at this KV precision. (mlx-lm cannot batch with its
 quantised KV cache at all.)
@@ -25,8 +26,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from macinfer.errors import MacinferError
-from macinfer.kv.paged_attention import block_slots
-from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, write_pool
+from macinfer.kv.paged_attention import QuantPool
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, PagedMask, head_major, prompt_window, write_pool
 
 SUPPORTED_BITS = (4, 8)
 
@@ -59,7 +60,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         if bits not in SUPPORTED_BITS:
             raise MacinferError(f"KV cache bits must be one of {SUPPORTED_BITS}, got {bits}")
         self.ctx = ctx
-        self.window = spec.window
+        self.window, self.chunk = spec.window, spec.chunk
         self.block_size = block_size
         self.kv_bits = bits
         self.dtype = spec.dtype
@@ -86,32 +87,17 @@ class QuantizedPagedKVCache(PagedKVCache):
                 write_pool(pool, slots, part)
         return keys, values
 
-    def _compact(self):
-        """Blocks referenced this forward, dequantised: (k, v, remapped tables). Memoised per forward."""
-        memo = self.ctx.memo
-        if "kvq_slots" not in memo:
-            used = sorted({0, *(b for t in self.ctx.block_tables for b in t)})  # null block first
-            where = {b: i for i, b in enumerate(used)}
-            # The used blocks' slots, in order: compact block i holds used[i]'s slots.
-            memo["kvq_slots"] = block_slots(mx.array([used], dtype=mx.int32), self.block_size)[0]
-            memo["kvq_tables"] = [[where[b] for b in t] for t in self.ctx.block_tables]
-        idx = memo["kvq_slots"]
-
-        def deq(pools, g):
-            w, s, b = (p[:, idx] for p in pools)
-            return mx.dequantize(w, s, b, group_size=g, bits=self.kv_bits).astype(self.dtype)
-
-        return deq(self.k_q, self.kg), deq(self.v_q, self.vg), memo["kvq_tables"]
+    def pools(self) -> tuple[QuantPool, QuantPool]:
+        """The K and V pools as attention reads them (dequantised per key, after the gather)."""
+        return QuantPool(*self.k_q, self.kv_bits, self.kg), QuantPool(*self.v_q, self.kv_bits, self.vg)
 
     def attention(self, queries: mx.array, mask, scale: float, sinks=None, softcap=None) -> mx.array:
         if not (mask is None or isinstance(mask, (PagedMask, str))):
             raise MacinferError("this model builds its own attention mask; paged attention cannot honour it")
-        k, v, tables = self._compact()
-        # The compact pool is only valid for this forward: keep paged_attention's
-        # memoised (by-table) arrays apart from the float path's.
-        sub = self.ctx.memo.setdefault("kvq_attn", {})
-        return self.ctx.attend(queries, k, v, tables, block_size=self.block_size, scale=scale, window=self.window,
-                               sinks=sinks, memo=sub, softcap=softcap)
+        k, v = self.pools()
+        return self.ctx.attend(queries, k, v, self.ctx.block_tables, block_size=self.block_size, scale=scale,
+                               window=self.window, sinks=sinks, memo=self.ctx.memo, softcap=softcap, chunk=self.chunk,
+                               prompt_window=prompt_window(mask))
 
     @property
     def state(self):

@@ -43,11 +43,11 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from macinfer.errors import MacinferError
 
-_KV_TYPES = (KVCache, RotatingKVCache)
+_KV_TYPES = (KVCache, RotatingKVCache, ChunkedKVCache)  # attention layers the paged cache serves
 
 
 @dataclass

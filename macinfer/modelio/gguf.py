@@ -22,7 +22,7 @@ GGUF metadata. Design choices:
   pre-tokenizers in PRE_TOKENIZERS) and SentencePiece BPE ('llama': merges derived
   from the scores, byte fallback), rebuilt in macinfer.modelio.gguf_tokenizer. Anything else
   is refused by name.
-- The output is built in a temporary directory next to `out` and renamed into
+- The output is built in a staging directory next to `out` (macinfer.staging) and renamed into
   place: a crash leaves no half model behind.
 """
 
@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from macinfer.errors import MacinferError
 from macinfer.modelio.gguf_header import BLOCK_LAYOUT, GGUFHeader, read_header
+from macinfer.modelio.gguf_metadata import check_metadata
 from macinfer.modelio.gguf_tokenizer import check_tokenizer, write_tokenizer
+from macinfer.staging import remove_stale_partials, staging_dir
 
 Progress = Callable[[int, int, str], None]
 
@@ -131,9 +132,8 @@ def _hf_weights(src: Path, header: GGUFHeader, gguf_weights: dict, config: dict,
 def _write_model(out: Path, md: dict, config: dict, weights: dict, progress: Callable[[int, str], None]) -> None:
     """Tokenizer, config and weights into a hidden sibling of `out`, renamed into place when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Hidden, unique sibling of `out` (same filesystem, so the final rename is atomic).
-    tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
-    tmp.mkdir()
+    remove_stale_partials(out)  # left by a killed conversion
+    tmp = staging_dir(out)
     try:
         progress(0, "tokenizer")
         write_tokenizer(md, tmp)
@@ -163,6 +163,7 @@ def _check_supported(src: Path, header: GGUFHeader) -> None:
         )
     if md.get("llama.expert_count"):
         raise MacinferError(f"{src}: mixture-of-experts llama GGUF (Mixtral style) is not supported")
+    check_metadata(src, md)
     for name, tname in header.tensor_types.items():
         if name != ROPE_FREQS:
             _hf_name(src, name.rpartition(".")[0])  # raises for tensors llama does not have
@@ -201,9 +202,7 @@ def _config(src: Path, header: GGUFHeader) -> dict:
     def get(key, default=None):
         return md.get(f"llama.{key}", default)
 
-    required = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
-    if missing := [f"llama.{k}" for k in required if not isinstance(get(k), int)]:
-        raise MacinferError(f"{src} lacks required metadata {', '.join(missing)}: it is not a complete llama GGUF")
+    # NOTE: types and ranges were checked by check_metadata (_check_supported).
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     # The embedding's rows are the truth; llama.cpp may pad the token list differently.

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from macinfer.errors import MacinferError
+from macinfer.modelio.model_files import check_config
 from macinfer.paths import cache_dir, models_dir
 
 CATALOG = models_dir() / "catalog.json"
@@ -227,13 +228,57 @@ def dequantize_by_default(num_params: int, quantized: bool) -> bool:
     return 4 * num_params <= min(DEQUANTIZE_MAX_BYTES, memory // 4 if memory else DEQUANTIZE_MAX_BYTES)
 
 
-def load_model(spec: str | None = None, *, dequantize: bool | None = None, progress=None):
+def shard_model(model, config: dict, name: str, group, parallel: str) -> str:
+    """Split a (lazily loaded) model over group's ranks with mlx-lm's own `shard()` / `model.pipeline()`.
+
+    Args:
+        parallel: "tensor", "pipeline", or "auto" (tensor where mlx-lm can, else pipeline).
+
+    Returns:
+        The split used: "tensor" or "pipeline".
+
+    Raises:
+        MacinferError: the architecture has no such split in mlx-lm, or its heads (tensor) or
+            layers (pipeline) do not divide over the ranks.
+    """
+    n, model_type = group.size(), config.get("model_type", "?")
+    text = config.get("text_config", config)
+    can_tensor = hasattr(model, "shard")
+    can_pipeline = hasattr(getattr(model, "model", None), "pipeline")
+    if parallel == "auto":
+        parallel = "pipeline" if can_pipeline and not can_tensor else "tensor"
+    other = {"tensor": ("pipeline", can_pipeline), "pipeline": ("tensor", can_tensor)}[parallel]
+    hint = f": try --parallel {other[0]}" if other[1] else ": run it in one process"
+    if parallel == "tensor":
+        if not can_tensor:
+            raise MacinferError(f"{name}: mlx-lm cannot split {model_type} by tensor parallelism{hint}")
+        for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads")):
+            heads = text.get(key)
+            if heads and heads % n:
+                raise MacinferError(f"{name}: its {heads} {what} do not split evenly over {n} ranks: "
+                                    f"use a number of ranks that divides {heads}")
+        model.shard(group)
+    else:
+        if not can_pipeline:
+            raise MacinferError(f"{name}: mlx-lm cannot pipeline {model_type}{hint}")
+        if len(model.model.layers) < n:
+            raise MacinferError(f"{name}: {len(model.model.layers)} layers cannot be split over {n} ranks: "
+                                f"use at most {len(model.model.layers)}")
+        model.model.pipeline(group)
+    return parallel
+
+
+def load_model(spec: str | None = None, *, dequantize: bool | None = None, progress=None,
+               group=None, parallel: str = "tensor"):
     """Load MODEL (see module docstring).
 
     Args:
         spec: catalog name, path, .gguf file or HF repo id; None for the default.
         dequantize: turn quantised weights into float; None decides by host
             (`dequantize_by_default`: yes without Metal, where it is the fast configuration).
+        group: an mx.distributed group to split the model over (`shard_model`); None: whole.
+        parallel: with a group, "tensor", "pipeline" or "auto" (`shard_model`); the one used
+            is `info.extra["parallel"]`.
 
     Returns:
         (model, tokenizer, ModelInfo); the tokenizer is mlx-lm's TokenizerWrapper.
@@ -242,8 +287,13 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     from mlx_lm.utils import dequantize_model, get_total_parameters, load_model as mlx_load_model, load_tokenizer
 
     name, path = resolve(spec, progress)
+    model_type = check_config(path, name)["model_type"]
     try:
-        model, config = mlx_load_model(path)
+        # Split across ranks: loaded lazily, so each rank reads only its own part (mlx-lm's sharded_load).
+        model, config = mlx_load_model(path, lazy=group is not None)
+    except (TypeError, ZeroDivisionError, AttributeError) as e:  # the model's ModelArgs / __init__ on bad values
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MacinferError(f"{name}: config.json does not describe a valid {model_type} model ({msg})") from None
     except ValueError as e:
         # One line: mlx's "Missing 9 parameters: \n<name>,\n..." names them on the lines after.
         msg = " ".join(str(e).split()) or type(e).__name__
@@ -261,6 +311,8 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     if dequantize and quantized:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    if group is not None:
+        parallel = shard_model(model, config, name, group, parallel)
     if not mx.metal.is_available():
         _cast_for_cpu(model)
     try:
@@ -269,6 +321,8 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
         raise MacinferError(f"{name}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     mx.eval(model.parameters())
     info = model_info(name, path, model, config)
+    if group is not None:
+        info.extra["parallel"] = parallel
     if dequantize and quantized:
         info.extra["dequantized_from"] = quantized + (" (no Metal: float32 is the fast configuration here)"
                                                       if by_host else "")

@@ -12,6 +12,8 @@ import struct
 import time
 from pathlib import Path
 
+from macinfer.errors import MacinferError
+
 # What mlx-lm loads as weights (mlx_lm.utils's glob; kept in step with it).
 WEIGHTS_GLOB = "model*.safetensors"
 
@@ -48,11 +50,43 @@ def mlx_lm_knows(model_type) -> bool:
 
 
 def read_config(path: Path) -> dict | None:
+    """config.json as a dict, or None when it is missing or not a JSON object (listings)."""
     try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+        return _parse_config(path, str(path))
+    except MacinferError:
         return None
-    return config if isinstance(config, dict) else None
+
+
+def check_config(path: Path, name: str | None = None) -> dict:
+    """config.json as a dict, with what is wrong with it in one line (before mlx-lm loads the model).
+
+    Args:
+        path: the model directory.
+        name: the model's name in the error (default: the path).
+
+    Raises:
+        MacinferError: config.json is unreadable, not JSON, not an object, or has no model_type.
+    """
+    name = name or str(path)
+    config = _parse_config(path, name)
+    if not isinstance(config.get("model_type"), str):
+        raise MacinferError(f"{name}: config.json has no model_type: it is not a model's config")
+    return config
+
+
+def _parse_config(path: Path, name: str) -> dict:
+    try:
+        text = (Path(path) / "config.json").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MacinferError(f"{name}: cannot read config.json ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MacinferError(f"{name}: config.json is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
+                            "fix it or download the model again") from None
+    if not isinstance(config, dict):
+        raise MacinferError(f"{name}: config.json holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def weight_files(path: Path) -> list[Path]:

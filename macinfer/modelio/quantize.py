@@ -28,7 +28,6 @@ import errno
 import io
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from macinfer.modelio.quant_config import Progress, QuantConfig, QuantizeReport
 from macinfer.modelio.recipes import checked_predicate
 from macinfer.modelio.sizes import bits_per_weight, describe, weight_bytes
 from macinfer.modelio.texts import CALIBRATION_TEXT
+from macinfer.staging import remove_stale_partials, replace_dir, staging_dir
 
 # Files copied from SRC next to the new weights: mlx-lm's download patterns minus the weights.
 SIDE_FILES = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
@@ -168,6 +168,7 @@ def quantize(
     t0 = time.perf_counter()
     out = Path(out).expanduser().absolute()
     check_out(out, force)
+    remove_stale_partials(out)  # left by a killed run (the disk-space check below counts on the room)
     calib_text = _read_calibration(cfg) if cfg.awq else None
     # 1. Resolve and load the source lazily (dequantised if it was quantised).
     source = _open_source(src, log or (lambda s: None))
@@ -300,16 +301,17 @@ def _compute(model, name: str, progress: Progress | None) -> None:
 
 
 def _write_atomically(model, config: dict, side: list[Path], out: Path) -> None:
-    """Save into a hidden temp dir next to OUT, then rename it: a failure leaves no half model."""
+    """Save into a hidden staging dir next to OUT, then rename it: a failure leaves no half model
+    (and an OUT being replaced stays as it was)."""
     from mlx_lm.utils import save_config, save_model
 
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    tmp = staging_dir(out)
     try:
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         for f in side:
             shutil.copy(f, tmp / f.name)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:
@@ -339,15 +341,3 @@ def _cast(model, dtype: str) -> None:
 
     dt = getattr(mx, dtype)
     model.update(tree_map(lambda v: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and removed only after."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        old.rmdir()
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

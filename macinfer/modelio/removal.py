@@ -10,6 +10,7 @@ from typing import Callable
 
 from macinfer.errors import MacinferError
 from macinfer.paths import cache_dir
+from macinfer.modelio.leases import holders
 from macinfer.modelio.model_files import dir_size
 from macinfer.modelio.prefix_dirs import PrefixDir, remove_prefix_dir, prefix_dirs, prefix_root
 from macinfer.units import fmt_bytes
@@ -31,8 +32,17 @@ def plan_removal(spec: str) -> Removal:
 
     Raises:
         MacinferError: an unknown name, the embedded model's wheel file, a model not
-            downloaded, or a path outside the HF cache and MACINFER_HOME.
+            downloaded, a path outside the HF cache and MACINFER_HOME, or a model a running
+            macinfer process holds (macinfer.modelio.leases).
     """
+    removal = _plan(spec)
+    for path in removal.paths:
+        for lease in holders(path):
+            raise MacinferError(f"{spec} is in use by {lease.what} (pid {lease.pid}): stop it first, then remove it")
+    return removal
+
+
+def _plan(spec: str) -> Removal:
     m = find_model(spec)
     if m.kind == "embedded":
         raise MacinferError(

@@ -292,15 +292,44 @@ def run_mlx_lm_scenario(model, tokenizer, scenario: Scenario, seed: int = 0) -> 
 
 
 # -- reporting ----------------------------------------------------------------------------
+RATIOS = {  # ratio column -> (summary field, True if higher is better)
+    "throughput_x": ("throughput_tps", True),
+    "decode_p50_x": ("decode_tps_p50", True),
+    "ttft_p50_speedup": ("ttft_p50_s", False),
+}
+
+
 def ratios(ours: list[dict], base: list[dict]) -> list[dict]:
-    """Per scenario: throughput and decode ours/base (>1 is better), TTFT base/ours (>1 is better)."""
+    """Per scenario: throughput and decode ours/base (>1 is better), TTFT base/ours (>1 is better).
+
+    A summary may carry "repeats" (median_summary): the ratio is then the median of the
+    per-repeat ratios, each repeat's two runs having been measured back to back.
+    """
     div = lambda a, b: a / b if a and b else None  # noqa: E731
-    return [{
-        "concurrency": a["concurrency"], "prompt_tokens": a["prompt_tokens"], "prefix": a["prefix"],
-        "throughput_x": div(a["throughput_tps"], b["throughput_tps"]),
-        "decode_p50_x": div(a["decode_tps_p50"], b["decode_tps_p50"]),
-        "ttft_p50_speedup": div(b["ttft_p50_s"], a["ttft_p50_s"]),
-    } for a, b in zip(ours, base)]
+
+    def one(a: dict, b: dict) -> dict:
+        return {col: div(a[f], b[f]) if up else div(b[f], a[f]) for col, (f, up) in RATIOS.items()}
+
+    rows = []
+    for a, b in zip(ours, base):
+        pairs = list(zip(a.get("repeats") or [a], b.get("repeats") or [b]))
+        per = [one(x, y) for x, y in pairs]
+        row = {"concurrency": a["concurrency"], "prompt_tokens": a["prompt_tokens"], "prefix": a["prefix"]}
+        for col in RATIOS:
+            vals = [r[col] for r in per if r[col] is not None]
+            row[col] = float(np.median(vals)) if vals else None
+        if len(pairs) > 1:
+            row["repeats"] = len(pairs)
+        rows.append(row)
+    return rows
+
+
+def median_summary(runs: list[dict]) -> dict:
+    """One scenario measured several times: the run with the median throughput, and every run under "repeats"."""
+    if len(runs) == 1:
+        return runs[0]
+    order = sorted(runs, key=lambda s: s["throughput_tps"] or 0.0)
+    return {**order[(len(order) - 1) // 2], "repeats": runs}
 
 
 def render(summaries: list[dict], ratio_rows: list[dict] | None = None, console=None) -> None:
@@ -309,7 +338,9 @@ def render(summaries: list[dict], ratio_rows: list[dict] | None = None, console=
 
     console = console or Console(width=max(Console().width, 100))
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    t = Table(title="per request p50/p95/p99; throughput = all output tokens / wall time")
+    n = max((len(s.get("repeats") or [s]) for s in summaries), default=1)
+    runs = f"; the median of {n} runs, alternating engines" if n > 1 else ""
+    t = Table(title=f"per request p50/p95/p99; throughput = all output tokens / wall time{runs}")
     for col in ("engine", "C", "prompt", "prefix", "reqs", "TTFT s", "decode tok/s", "tok/s"):
         t.add_column(col, justify="left" if col in ("engine", "prefix") else "right", no_wrap=True,
                      max_width=21 if col == "engine" else None, min_width=6 if col == "prefix" else None)

@@ -44,6 +44,8 @@ class AsyncEngine:
             `abort_request(request_id)`, `step() -> list[StreamDelta]` and `has_unfinished()`
             (macinfer.engine.llm_engine.LLMEngine).
         on_step: called on the engine thread after each step with (seconds, deltas).
+        on_idle: called on the engine thread about every half second while there is nothing to
+            step (across ranks: a heartbeat, macinfer.engine.distributed).
 
     Example:
         >>> aengine = AsyncEngine(LLMEngine(...)); aengine.start()
@@ -51,9 +53,10 @@ class AsyncEngine:
         ...     print(delta.text, end="")
     """
 
-    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None):
+    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None,
+                 on_idle: Callable[[], None] | None = None):
         self.engine = engine
-        self.on_step = on_step
+        self.on_step, self.on_idle = on_step, on_idle
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -87,11 +90,13 @@ class AsyncEngine:
 
     # -- the asyncio side ------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        fork_of: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield the request's deltas; the last has `finish_reason` and `output` set.
 
-        Closing the iterator early (or cancelling the task) aborts the request.
+        Closing the iterator early (or cancelling the task) aborts the request. `fork_of`: the
+        id of a request with the same prompt, added before, whose prompt blocks this one shares.
 
         Raises:
             EngineDeadError: the loop is not running.
@@ -102,7 +107,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._send(("add", rid, list(prompt_token_ids), params))
+        self._send(("add", rid, list(prompt_token_ids), params, fork_of))
         finished = False
         try:
             while True:
@@ -134,7 +139,8 @@ class AsyncEngine:
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
+                    if not self._wake.wait(timeout=0.5) and self.on_idle is not None:
+                        self.on_idle()
                     continue
                 t0 = time.perf_counter()
                 deltas = self.engine.step()
@@ -142,10 +148,8 @@ class AsyncEngine:
                 self.peak_batch = max(self.peak_batch, len(deltas))
                 if self.on_step is not None:
                     self.on_step(time.perf_counter() - t0, deltas)
-                for d in deltas:
-                    if d.finish_reason == "abort":
-                        self.num_aborted += 1
-                    self._deliver(d.request_id, d)
+                self.num_aborted += sum(d.finish_reason == "abort" for d in deltas)
+                self._deliver_all(deltas)
         except BaseException as e:  # a bug or OOM in the engine: fail every waiter, stop
             log.exception("engine loop crashed")
             self.error = e
@@ -160,11 +164,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, ids, params = msg
+                _, rid, ids, params, fork_of = msg
                 if rid not in self._streams:
                     continue  # its caller already left
                 try:
-                    self.engine.add_request(ids, params, request_id=rid)
+                    fork = {"fork_of": fork_of} if fork_of else {}  # engines without forks still serve n = 1
+                    self.engine.add_request(ids, params, request_id=rid, **fork)
                 except Exception as e:  # bad request: tell that caller only
                     self._deliver(rid, e)
             else:
@@ -172,6 +177,24 @@ class AsyncEngine:
                     self.engine.abort_request(msg[1])
                 except Exception:  # unknown or already finished: nothing to free
                     log.debug("abort of %s ignored", msg[1], exc_info=True)
+
+    def _deliver_all(self, deltas: list[StreamDelta]) -> None:
+        """A step's deltas, one callback per event loop (not one per request).
+
+        Each call_soon_threadsafe wakes the loop's thread, which then competes with this one for
+        the GIL: on a fast model, a wake-up per request per step costs a good part of the step.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            entry = self._streams.get(d.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], d))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                for _, d in items:
+                    self._streams.pop(d.request_id, None)
 
     def _deliver(self, rid: str, item) -> None:
         entry = self._streams.get(rid)
@@ -182,3 +205,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -89,10 +89,22 @@ class _EngineCollector:
             ("macinfer_requests_waiting", "Requests queued for KV blocks", stats.get("waiting")),
             ("macinfer_requests_in_flight", "Requests the server is streaming", aengine.num_active),
             ("macinfer_engine_peak_batch", "Most requests advanced in one engine step", aengine.peak_batch),
+            ("macinfer_ranks", "Processes the model is split over (mlx.launch)", stats.get("ranks")),
         ]
         for name, doc, value in gauges:
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
+        if "plans" in stats:  # across ranks (macinfer.engine.distributed)
+            yield CounterMetricFamily("macinfer_distributed_plans", "Forward plans rank 0 sent (and heartbeats)",
+                                      value=stats["plans"])
+            yield CounterMetricFamily("macinfer_distributed_plan_seconds",
+                                      "Seconds rank 0 spent sending plans, waiting for the other ranks included",
+                                      value=stats["plan_seconds"])
+            memory = GaugeMetricFamily("macinfer_rank_active_memory_bytes", "Each rank's active MLX memory at the "
+                                       "last plan", labels=["rank"])
+            for rank, value in enumerate(stats["rank_memory_bytes"]):
+                memory.add_metric([str(rank)], value)
+            yield memory
         yield CounterMetricFamily("macinfer_requests_aborted", "Requests aborted (client disconnected)",
                                   value=aengine.num_aborted)
         m = self.metrics

@@ -10,7 +10,10 @@ Design choices:
   so every bad request gets a 4xx with OpenAI's error body and the first streamed
   byte is only sent once the engine has accepted the request.
 - Extensions beyond OpenAI's schema, as vLLM names them: top_k, min_p, ignore_eos,
-  return_token_ids (each choice, or streamed chunk, then carries `token_ids`).
+  return_token_ids (each choice, or streamed chunk, then carries `token_ids`),
+  guided_json / guided_regex / guided_choice / guided_grammar.
+- Structured output (`response_format` json_object / json_schema, the guided_* fields) is
+  enforced while sampling, by a grammar mask on each token (macinfer.core.grammar).
 
 The request bodies, their checks and the error body are in macinfer.serve.schemas.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -30,9 +34,12 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
+from macinfer.serve.choices import Choice
 from macinfer.errors import MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
@@ -41,9 +48,12 @@ from macinfer.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestBase,
+    check_known,
     check_supported,
     message_text,
+    structured_output,
 )
+from macinfer.serve.tools import request_tools, template_messages
 
 log = logging.getLogger("macinfer.serve.server")
 
@@ -52,9 +62,13 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses."""
 
-    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_queue: int,
+                 lenient: bool = False):
         self.llm, self.engine, self.model_name, self.metrics = llm, engine, model_name, metrics
+        self.lenient = lenient  # accept and ignore unknown request fields
         self.created = int(time.time())
+        self.max_queue = max_queue
+        self.max_num_seqs = engine.engine.config.max_num_seqs
 
     # -- request -> (prompt ids, params) ------------------------------------------------
     def _check_model(self, req: RequestBase) -> None:
@@ -62,33 +76,37 @@ class Server:
             raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{self.model_name}'",
                            "model", "model_not_found")
 
-    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None) -> SamplingParams:
+    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool) -> SamplingParams:
         ctx = self.llm.info.context_length
         if num_prompt >= ctx:
             raise APIError(400, f"the prompt is {num_prompt} tokens but {self.model_name} holds at most {ctx}: "
-                                "shorten it", "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           "context_length_exceeded")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+                                "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
         try:
             return SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, structured=structured_output(req),
                 # None: as much as the context allows. Beyond the context, the engine stops with "length".
                 max_tokens=ctx - num_prompt if max_tokens is None else max_tokens,
+                logprobs=_logprobs(req, chat), presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                repetition_context_size=req.repetition_context_size, logit_bias=_logit_bias(req.logit_bias),
             )
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
         messages = []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": message_text(m, i)})
+            # Extra fields (tool_calls, tool_call_id, name) go to the template as they came.
+            messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
+        if any(m.get("tool_calls") for m in messages):
+            messages = template_messages(messages)
         try:
-            return self.llm.apply_chat_template(messages)
+            return self.llm.apply_chat_template(messages, tools=tools)
         except MacinferError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # jinja's TemplateError, raise_exception() in templates
@@ -107,95 +125,172 @@ class Server:
         except MacinferError as e:
             raise APIError(400, str(e), "prompt") from None
 
+    def _check_queue(self) -> None:
+        """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
+        waiting = self.engine.num_active - self.max_num_seqs
+        if waiting >= self.max_queue:
+            raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
+                                "--max-queue): retry later", None, "queue_full", "server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
     # -- responses -----------------------------------------------------------------------
-    def _usage(self, out) -> dict:
-        m = out.metrics
-        return {
-            "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(out.token_ids),
-            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
-            "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-        }
+    @staticmethod
+    def _usage(outs: list) -> dict:
+        """Usage of a response: the prompt once, the completion tokens of every choice."""
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
+
+    def _start(self, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
+        """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
+        seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
+        streams = []
+        for i in range(n):
+            p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
+                                                          (params.seed + i) % 2**64)
+            streams.append(self.engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
+                                                fork_of=rid if i else None))
+        return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
         self._check_model(req)
+        check_known(req, self.lenient)
         check_supported(req)
-        ids = self.chat_prompt(req) if chat else self.completion_prompt(req)
+        tools = request_tools(req.tools, req.tool_choice, self.llm.tokenizer) if chat else None
+        # NOTE: tokenising (and the chat template) runs on a worker thread: a long prompt must not
+        # stall the event loop, which serves /health and every other client's stream.
+        ids = await (asyncio.to_thread(self.chat_prompt, req, tools) if chat else asyncio.to_thread(self.completion_prompt, req))
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), max_tokens)
+        params = self._params(req, len(ids), max_tokens, chat)
+        self._check_queue()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        deltas = self.engine.generate(ids, params, request_id=rid)
+        choices = [Choice(i, chat, self.llm.tokenizer, params.logprobs is not None, req.return_token_ids,
+                          tools, req.stream) for i in range(req.n)]
+        streams = self._start(ids, params, rid, req.n)
         try:
-            # Wait for the engine to accept it (and for the first token) before committing to a 200.
-            first = await _next_or_disconnect(deltas, http)
+            # Wait for the engine to accept them (and for a first token) before committing to a 200.
+            firsts = [await _next_or_disconnect(s, http) for s in streams]
         except EngineDeadError as e:
+            await _close(streams)
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
         except (MacinferError, ValueError) as e:
+            await _close(streams)
             raise APIError(400, str(e), None, "invalid_request") from None
-        if first is None:  # the client left during the prefill
+        if any(f is None for f in firsts):  # the client left during the prefill
+            await _close(streams)
             return PlainTextResponse("", status_code=499)
         kind = "chat.completion" if chat else "text_completion"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(first, deltas, rid, kind, chat, include_usage, req.return_token_ids)
+            body = self._sse(_merged(firsts, streams), streams, choices, rid, kind, include_usage)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, d = [first.text], first
-        while d.finish_reason is None:
-            d = await _next_or_disconnect(deltas, http)
-            if d is None:
-                return PlainTextResponse("", status_code=499)
-            text.append(d.text)
-        out = d.output
-        self.metrics.observe_request(out, "chat" if chat else "completions")
-        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if req.return_token_ids:
-            choice["token_ids"] = list(out.token_ids)
+        for choice, first, stream in zip(choices, firsts, streams):
+            d = first
+            choice.add(d)
+            while d.finish_reason is None:
+                d = await _next_or_disconnect(stream, http)
+                if d is None:
+                    await _close(streams)
+                    return PlainTextResponse("", status_code=499)
+                choice.add(d)
+        outs = [c.output for c in choices]
+        for out in outs:
+            self.metrics.observe_request(out, "chat" if chat else "completions")
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": self._usage(out)}
+                "choices": [c.final() for c in choices], "usage": self._usage(outs)}
 
-    async def _sse(self, first, deltas, rid, kind, chat, include_usage, token_ids) -> AsyncIterator[str]:
+    async def _sse(self, deltas, streams, choices, rid, kind, include_usage) -> AsyncIterator[str]:
         created = int(time.time())
+        chat = kind == "chat.completion"
         obj = kind + ".chunk" if chat else kind
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, ids: list[int] | None = None) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if token_ids and ids is not None:
-                choice["token_ids"] = ids
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+        def chunk(choice_objs: list[dict], usage: dict | None = None) -> str:
+            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_objs}
             if include_usage:
-                c["usage"] = None
+                c["usage"] = usage
             return f"data: {json.dumps(c)}\n\n"
 
         try:
             if chat:
-                yield chunk("", None, role=True)
-            d = first
-            while True:
-                if d.finish_reason is not None:
-                    break
-                if d.text or (token_ids and d.token_ids):
-                    yield chunk(d.text, None, ids=d.token_ids)
-                d = await deltas.__anext__()
-            out = d.output
-            # The last delta may still carry text (a flushed tail) along with the finish reason.
-            yield chunk(d.text or (None if chat else ""), out.finish_reason, ids=d.token_ids)
+                for c in choices:
+                    yield chunk([c.first_chunk()])
+            async for i, d in deltas:
+                body = choices[i].add(d)
+                if body is not None:
+                    yield chunk([body])
+            outs = [c.output for c in choices]
             if include_usage:
-                usage = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [], "usage": self._usage(out)}
-                yield f"data: {json.dumps(usage)}\n\n"
+                yield chunk([], self._usage(outs))
             yield "data: [DONE]\n\n"
-            self.metrics.observe_request(out, "chat" if chat else "completions")
+            for out in outs:
+                self.metrics.observe_request(out, "chat" if chat else "completions")
         finally:
-            await deltas.aclose()  # aborts the request if it is still running (client left)
+            await deltas.aclose()
+            await _close(streams)  # aborts the requests still running (client left)
+
+
+def _logprobs(req: RequestBase, chat: bool) -> int | None:
+    """How many top alternatives to report with each token's logprob; None: no logprobs."""
+    if not chat:
+        return None if req.logprobs is None or req.logprobs is False else int(req.logprobs)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias",
+                       "invalid_value") from None
+
+
+async def _merged(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, delta) from every stream as they come; each stream's first delta is in hand.
+
+    NOTE: each stream is read by its own task; cancelling a task aborts its request (the
+    stream's generator sees the cancellation), so closing this iterator frees every request.
+    """
+    if len(streams) == 1:  # the common case, without tasks
+        d = firsts[0]
+        yield 0, d
+        while d.finish_reason is None:
+            d = await streams[0].__anext__()
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, d, stream):
+        try:
+            await queue.put((i, d))
+            while d.finish_reason is None:
+                d = await stream.__anext__()
+                await queue.put((i, d))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+    try:
+        left = len(streams)
+        while left:
+            i, d = await queue.get()
+            if isinstance(d, Exception):
+                raise d
+            left -= d.finish_reason is not None
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def _close(streams: list) -> None:
+    for s in streams:
+        await s.aclose()
 
 
 async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
@@ -203,41 +298,67 @@ async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
     task = asyncio.ensure_future(deltas.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll)
-            if done:
-                return task.result()
+            # NOTE: checked before every wait, not only after `poll` seconds without a delta: a
+            # non-streaming request decoding steadily never waits that long, and used to run to
+            # its end for a client that had gone.
             if await http.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
                 await deltas.aclose()
                 return None
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
     except asyncio.CancelledError:
         task.cancel()
         await deltas.aclose()
         raise
 
 
-# A request body larger than this is refused before it is read (413): a long prompt is a few
-# hundred KB of text, and parsing and tokenising a huge body would stall every other client.
+# A request body larger than this is refused (413): a long prompt is a few hundred KB of text, and
+# parsing and tokenising a huge body would take memory and time from every other client.
 MAX_BODY_BYTES = 8 << 20
+# Requests waiting for a place in the batch (beyond max_num_seqs running) at most; more get a 429.
+MAX_QUEUE = 256
+RETRY_AFTER_SECONDS = 1
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Refuse an empty key: it would reject every client while looking like no key at all.
+
+    Raises:
+        MacinferError: api_key is "" (or only spaces).
+    """
+    if api_key is not None and not api_key.strip():
+        raise MacinferError("--api-key is empty: give a key, or leave the option out to serve without one")
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
+               lenient: bool = False) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM).
 
     Args:
         api_key: if set, every request must send `Authorization: Bearer <api_key>`.
         model_name: the name clients pass as `model` (default: the model's name).
         engine: the engine to drive; default: the LLM's continuous-batching engine.
-        max_body_bytes: larger request bodies (by their Content-Length) get a 413.
+        max_body_bytes: larger request bodies get a 413 (with or without a Content-Length).
+        max_queue: requests waiting beyond the engine's max_num_seqs at most; more get a 429.
+        lenient: accept and ignore unknown request fields (default: a 400 naming the field).
+        health_auth: /health requires the API key too (by default it is open, for load balancers).
+
+    Raises:
+        MacinferError: an empty api_key.
     """
+    check_api_key(api_key)
     model_name = model_name or llm.info.name
     metrics = ServerMetrics()
-    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step)
+    ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
+    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step,
+                          on_idle=ranks.heartbeat if ranks is not None else None)
     metrics.attach(aengine)
-    server = Server(llm, aengine, model_name, metrics)
+    server = Server(llm, aengine, model_name, metrics, max_queue=max_queue, lenient=lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -247,28 +368,65 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    _add_error_handling(app, metrics, api_key, max_body_bytes)
+    _add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
 
 
-def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int) -> None:
-    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics."""
+class _RequestChecks:
+    """ASGI middleware: the API key and the announced body size, checked before any route runs.
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            metrics.errors.labels("413").inc()
-            return APIError(413, f"the request body is {int(size):,} bytes; this server takes at most "
-                                 f"{max_body_bytes:,}", None, "request_too_large").response()
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                metrics.errors.labels("401").inc()
-                return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                None, "invalid_api_key").response()
-        return await call_next(request)
+    NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's
+    disconnect from the route (Request.is_disconnected stays False), so a non-streaming request
+    ran to its end for a client that had gone.
+    """
+
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.max_body_bytes, self.health_auth = max_body_bytes, health_auth
+
+    async def __call__(self, scope, receive, send):
+        error = self._refusal(scope) if scope["type"] == "http" else None
+        if error is None:
+            return await self.app(scope, receive, send)
+        self.metrics.errors.labels(str(error.status)).inc()
+        await error.response()(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        open_route = scope["path"] == "/health" and not self.health_auth
+        if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
+                                                                           self.api_key):
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            None, "invalid_api_key")
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+
+def _too_large(max_body_bytes: int) -> APIError:
+    return APIError(413, f"the request body is too large: this server takes at most {max_body_bytes:,} bytes",
+                    None, "request_too_large")
+
+
+def _authorized(header: str, api_key: str) -> bool:
+    """`Bearer <key>`; the scheme word is case-insensitive (RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
+                        health_auth: bool) -> None:
+    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics.
+
+    NOTE: a body announced larger than the limit by its Content-Length is refused by _RequestChecks,
+    before anything is read; Starlette's RequestBodyLimitMiddleware (inside it) counts the bytes of
+    the others (chunked bodies) as the route reads them and raises a 413 HTTPException (`http_error`).
+    """
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
+    app.add_middleware(_RequestChecks, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                       health_auth=health_auth)  # added last: runs first
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -291,6 +449,8 @@ def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
+        if e.status_code == 413:  # RequestBodyLimitMiddleware
+            return await api_error(request, _too_large(max_body_bytes))
         return await api_error(request, APIError(e.status_code, str(e.detail), None, None))
 
 

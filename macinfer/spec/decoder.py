@@ -250,7 +250,8 @@ class SpecDecoder:
         `last`: tokens each row still produces before a draft could start (its next token, and
         with a step in flight the pending one); a row never drafts past its max_tokens.
         """
-        caps = [min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
+        # per_row requests (penalties, logprobs) never draft: macinfer.core.sampling.Sampler.
+        caps = [0 if s.sampler.per_row else min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
         kinds = [self.kind(s) for s in seqs]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
@@ -292,7 +293,8 @@ class SpecDecoder:
         decodes = []
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], None
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+            # Structured output is not drafted: its matcher advances on accepted tokens only.
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.grammar is None:
                 decodes.append(seq)
         K, offers, kinds = self._choose(decodes, 1)
         if self._planned and not K and self.adaptive:

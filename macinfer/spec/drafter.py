@@ -241,6 +241,7 @@ class _DraftSeq:
         self.token_ids: list[int] = []  # tokens fed (or to feed) to the draft
         self.num_computed_tokens = 0  # of those, how many have K/V in the draft pool
         self.num_valid = 0  # leading token_ids known to equal the target's
+        self.num_prompt_tokens = 0  # the target's (ModelRunner.set_context reads it: prompt windows)
         self.block_table: list[int] = []
 
 
@@ -278,6 +279,7 @@ class DraftModelDrafter:
         st = self.states.get(seq.request_id)
         if st is None:
             st = self.states[seq.request_id] = _DraftSeq(seq.request_id)
+            st.num_prompt_tokens = seq.num_prompt_tokens
         # The target only ever appends, so the first num_valid tokens still agree.
         v, end = st.num_valid, min(len(st.token_ids), seq.num_tokens)
         while v < end and st.token_ids[v] == seq.token_ids[v]:

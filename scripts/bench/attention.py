@@ -65,8 +65,9 @@ def main(argv=None):
     import mlx.core as mx
 
     from macinfer.kv import metal_attention as ma
+    from macinfer.kv.kernel_dispatch import select_attention
     from macinfer.kv.paged_attention import paged_attention
-    from macinfer.perf.timing import median_ms
+    from macinfer.timing import median_ms
 
     metal = ma.metal_available()
     dtype = getattr(mx, a.dtype or ("float16" if metal else "float32"))
@@ -79,7 +80,7 @@ def main(argv=None):
         print("no Metal on this host: the kernel cannot run here; timing the reference path only")
     else:
         try:
-            ma.select_attention("metal", paged_attention, head_dim=a.head_dim, block_size=a.block_size)
+            select_attention("metal", paged_attention, head_dim=a.head_dim, block_size=a.block_size)
             kernel = ma.paged_attention_metal
             print("kernel self-check passed")
         except Exception as e:

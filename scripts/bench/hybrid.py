@@ -13,6 +13,8 @@ binding state slots per forward (macinfer.kv.state_cache.StateStore.bind), and t
 Usage:
     python scripts/bench/hybrid.py                      # qwen3_next, mamba2; 1, 4, 16 requests
     python scripts/bench/hybrid.py --families lfm2 --concurrency 8 --tokens 64
+    python scripts/bench/hybrid.py --save /tmp/qn --size tiny   # write the model for `macinfer bench`:
+    macinfer bench /tmp/qn --compare mlx-lm -c 1,16 -p 64 -n 32 --repeats 3
 """
 
 from __future__ import annotations
@@ -65,8 +67,7 @@ def run_engine(model, tok, prompts, tokens, max_seqs):
 
     state_cache.StateStore.bind = timed
     try:
-        engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=max_seqs,
-                           max_num_batched_tokens=max(256, max_seqs))
+        engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=max_seqs)  # default budget
         t = time.perf_counter()
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True), request_id=str(i))
@@ -84,18 +85,38 @@ def run_engine(model, tok, prompts, tokens, max_seqs):
         state_cache.StateStore.bind = bind
 
 
+# The tiny shape (hidden 64, 4 layers): a step is mostly the host's work, as for a small model on a fast GPU.
+TINY = dict(hidden_size=64, heads=4, kv_heads=2, num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            shared_expert_intermediate_size=128, moe_intermediate_size=64)
+
+
+def build(out: Path, family: str, size: str) -> Path:
+    """The benchmark's model: `mid` (hidden 512, 8 layers) or `tiny` (qwen3_next only)."""
+    if size == "tiny":
+        if family != "qwen3_next":
+            raise SystemExit("--size tiny is defined for qwen3_next only")
+        return build_tiny_model(out, "llama", **{**FAMILIES[family], **TINY})
+    return build_tiny_model(out, "llama", hidden_size=512, heads=8, kv_heads=2, **FAMILIES[family])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--save", type=Path, help="Only write the (first) family's model to this directory, and stop.")
+    ap.add_argument("--size", choices=["mid", "tiny"], default="mid")
     ap.add_argument("--families", default="qwen3_next,mamba2")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    if args.save:
+        print(build(args.save, args.families.split(",")[0], args.size))
+        return
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         for fam in args.families.split(","):
-            path = build_tiny_model(Path(tmp) / fam, "llama", hidden_size=512, heads=8, kv_heads=2, **FAMILIES[fam])
+            path = build(Path(tmp) / fam, fam, args.size)
             model, tok = mlx_lm.load(str(path))
             for n in map(int, args.concurrency.split(",")):
                 prompts = [[rng.randrange(3, 300) for _ in range(args.prompt)] for _ in range(n)]

@@ -20,6 +20,7 @@ from tui import commands
 from tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, StatsUpdate)
 from tui.runner import Abort, Generate, Load, SetOption
+from tui.session import ChatSession
 from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
 from tui.widgets.transcript import Reply
 
@@ -69,9 +70,11 @@ class ChatScreen(Screen):
             yield MetricsPanel(id="metrics")
         yield Footer()
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.query_one(PromptInput).focus()
         self.query_one(LoadingBar).show(self.loading_what)
+        if self.app.resumed_from:
+            await self.show_resumed(self.app.resumed_from, self.app.model_spec)
         self._show_status()
 
     # -- engine messages ------------------------------------------------------------
@@ -248,10 +251,13 @@ class ChatScreen(Screen):
             names = ", ".join(read_catalog().get("models", {}))
             await self._notice(f"model: {self.model_name or 'none'}. /model MODEL switches (catalog: {names})")
             return
+        await self._switch_model(arg)
+
+    async def _switch_model(self, spec: str | None) -> None:
         self.action_cancel()
-        self.loading_what = f"loading {arg}"
-        self.engine.submit(Load(arg))
-        await self._notice(f"loading {arg}")
+        self.loading_what = f"loading {spec or 'the default model'}"
+        self.engine.submit(Load(spec))
+        await self._notice(self.loading_what)
 
     async def cmd_system(self, arg: str) -> None:
         if not arg:
@@ -312,12 +318,40 @@ class ChatScreen(Screen):
 
     async def cmd_save(self, arg: str) -> None:
         if not arg:
-            raise ValueError("give a file name, e.g. /save chat.md")
+            raise ValueError("give a file name, e.g. /save chat.json")
+        spec = self.card.spec if self.card else self.app.model_spec
+        path = self._write(lambda: self.session.save(arg, spec), arg)
+        await self._notice(f"saved {len(self.session.turns)} turns to {path}: /load {arg} or "
+                           f"macinfer chat --resume {arg} brings them back")
+
+    async def cmd_export(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("give a file name, e.g. /export chat.md")
+        path = self._write(lambda: self.session.export(arg, self.model_name), arg)
+        await self._notice(f"exported {len(self.session.turns)} turns to {path}")
+
+    @staticmethod
+    def _write(save, arg: str):
         try:
-            path = self.session.save(arg, self.model_name)
+            return save()
         except OSError as e:
             raise ValueError(f"could not write {arg}: {e.strerror or e}") from None
-        await self._notice(f"saved {len(self.session.turns)} turns to {path}")
+
+    async def cmd_load(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("give a file name, e.g. /load chat.json")
+        loaded, spec = ChatSession.load(arg)
+        await self.cmd_clear("")
+        self.app.session = loaded
+        await self.show_resumed(arg, spec)
+
+    async def show_resumed(self, source: str, spec: str | None) -> None:
+        """Show the session's turns (just loaded from `source`) and load its model if another is running."""
+        await self.query_one(Transcript).add_turns(self.session.turns)
+        await self._notice(f"loaded {len(self.session.turns)} turns from {source}")
+        current = self.card.spec if self.card else self.app.model_spec
+        if self.card is not None and spec != current:
+            await self._switch_model(spec)
 
     async def cmd_help(self, arg: str) -> None:
         self.action_help()

@@ -113,7 +113,7 @@ class MetricsPanel(VerticalScroll):
             f["context"] = f"{c.context_length} tok"
         # Sub-second TTFTs (a warm prefix, a small model on Metal) read better in ms.
         f["ttft"] = _num(s.ttft * 1000, ".0f", " ms") if s.ttft is not None and s.ttft < 1 else _num(s.ttft, ".2f", " s")
-        f["prefill"] = _num(s.prefill_tps, ".1f", " tok/s")
+        f["prefill"] = "prompt cached" if s.prompt_cached else _num(s.prefill_tps, ".1f", " tok/s")
         f["decode"] = _num(s.decode_tps, ".1f", " tok/s")
         f["tokens"] = f"{s.prompt_tokens} in, {s.generated_tokens} out" if s.prompt_tokens else UNSET
         if c is not None and c.peak_gbps is None:

@@ -110,6 +110,16 @@ class Transcript(VerticalScroll):
         self.anchor()
         return reply
 
+    async def add_turns(self, turns: list[dict]) -> None:
+        """Show earlier turns (a loaded conversation) as if they had just been written."""
+        for t in turns:
+            if t["role"] == "user":
+                await self.add_user(t["content"])
+            else:
+                reply = await self.add_reply()
+                reply.write(t["content"])
+                await reply.finish()
+
     async def add_notice(self, text: str, error: bool = False) -> Static:
         notice = Static(text, markup=False, classes="notice error" if error else "notice")
         await self.mount(notice)

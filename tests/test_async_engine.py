@@ -1,0 +1,58 @@
+"""AsyncEngine: how a step's deltas reach the asyncio side."""
+
+import asyncio
+
+from macinfer.core.outputs import StreamDelta
+from macinfer.core.sampling import SamplingParams
+from macinfer.serve.async_engine import AsyncEngine
+
+
+class Ticker:
+    """An engine stand-in: every request gets one token per step, `n` steps, then finishes; nothing
+    steps before `wait_for` requests are in (so that each step has all of them)."""
+
+    def __init__(self, n: int, wait_for: int):
+        self.n, self.left, self.wait_for = n, {}, wait_for
+
+    def add_request(self, ids, params, request_id=None):
+        self.left[request_id] = self.n
+
+    def abort_request(self, request_id):
+        self.left.pop(request_id, None)
+
+    def has_unfinished(self):
+        if len(self.left) >= self.wait_for:
+            self.wait_for = 0
+        return bool(self.left) and not self.wait_for
+
+    def step(self):
+        out = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            out.append(StreamDelta(rid, "x", [7], "length" if done else None))
+            if done:
+                del self.left[rid]
+        return out
+
+
+def test_a_steps_deltas_reach_each_event_loop_in_one_wake_up():
+    aengine = AsyncEngine(Ticker(5, wait_for=8)).start()
+    wakeups = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(1), real(*a))[1]
+
+        async def client():
+            return [d.text async for d in aengine.generate([1, 2], SamplingParams(max_tokens=5))]
+
+        return await asyncio.gather(*(client() for _ in range(8)))
+
+    try:
+        texts = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert texts == [["x"] * 5] * 8  # every delta, in order, to its own client
+    assert len(wakeups) == 5  # one per step, not one per delta (40)

@@ -1,0 +1,189 @@
+"""Across ranks (macinfer.engine.distributed): two local processes under `mlx.launch -n 2 --backend ring`.
+
+The oracle is the same engine in one process: greedy output under 2 ranks (tensor, and
+pipeline) is token-for-token the single-process output for a staggered batch of 8 requests
+in a KV pool small enough to preempt. Each rank runs tests/dist_worker.py. Bad launch
+settings are checked in-process (shard_model reads only the group's size before refusing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from macinfer.core.sampling import SamplingParams
+from macinfer.errors import MacinferError
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+# 11 usable blocks x 4 tokens for 8 requests of 13 to 34 tokens: preemption.
+ENGINE = dict(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+def workload() -> list:
+    """(arrival step, prompt ids, params, request id) for tests/driver.run: 8 staggered requests, the
+    last one sharing r5's prompt (a prefix-cache hit)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(5 + 3 * i)] for i in range(8)]
+    prompts[7] = prompts[5] + [9]
+    return [(2 * i, p, SamplingParams(max_tokens=8, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)]
+
+
+def _free_port() -> int:
+    """A port p with p and p + 1 free (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        p = random.randrange(20000, 60000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _launch(model: Path, out: Path, parallel: str, options: dict, *extra: str) -> subprocess.CompletedProcess:
+    launch = shutil.which("mlx.launch")
+    if launch is None:
+        pytest.skip("mlx.launch is not installed (it comes with mlx)")
+    cmd = [launch, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--",
+           sys.executable, str(WORKER), str(model), str(out), parallel, json.dumps(options), *extra]
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}  # this checkout's macinfer on every rank
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=WORKER.parent, env=env)
+
+
+def _single_process(model: Path, options: dict) -> dict:
+    import driver
+
+    from macinfer.llm import LLM
+
+    llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE, **options)  # off across ranks: same schedule
+    runner, forwards = llm.engine.runner, []
+    run = runner.run_forward
+    runner.run_forward = lambda *a, **k: forwards.append(1) or run(*a, **k)
+    outputs = driver.run(llm.engine, workload())
+    assert outputs["r7"].metrics.cached_tokens > 0
+    return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions,
+                                                                "forwards": len(forwards)}
+
+
+@pytest.mark.parametrize("arch,layers,parallel,options", [
+    ("llama", 2, "tensor", {"kv_bits": 8}),  # hidden 128: head_dim 32, a KV quantisation group
+    ("qwen2", 3, "pipeline", {}),  # 2 + 1 layers
+])
+def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel, options):
+    """Staggered greedy batch with preemption and a prefix-cache hit: 2 ranks == 1 process, token for
+    token, with the same schedule (preemptions) and one plan sent per forward."""
+    model = tiny_models(arch, num_layers=layers, **({"hidden_size": 128} if options else {}))
+    res = _launch(model, tmp_path / "out.json", parallel, options)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got.pop("ranks_report_memory")  # both ranks' active memory reached rank 0
+    want = _single_process(model, options)
+    assert want["preemptions"] > 0
+    assert got == want
+    assert "Traceback" not in res.stderr
+
+
+def test_a_dying_rank_stops_the_other_with_one_line(tiny_models, tmp_path):
+    """Rank 1 is killed mid-generation: rank 0 exits non-zero with one line, no traceback, no hang."""
+    res = _launch(tiny_models("llama", num_layers=2), tmp_path / "out.json", "tensor", {}, "20")
+    assert "rank 0 exited with code 1" in res.stderr  # mlx.launch's own report (its exit status is 0)
+    assert not (tmp_path / "out.json").exists()
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: rank 0 of 2")]
+    assert len(lines) == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+class _Group:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+def _lazy(path):
+    from mlx_lm.utils import load_model
+
+    return load_model(Path(path), lazy=True)
+
+
+@pytest.mark.parametrize("ranks,parallel,arch,message", [
+    (4, "tensor", "llama", "its 2 KV heads do not split evenly over 4 ranks"),
+    (3, "tensor", "llama", "its 4 attention heads do not split evenly over 3 ranks"),
+    (2, "pipeline", "llama", "mlx-lm cannot pipeline llama: try --parallel tensor"),
+    (3, "pipeline", "qwen2", "2 layers cannot be split over 3 ranks: use at most 2"),
+])
+def test_bad_launch_settings_are_one_line(tiny_models, ranks, parallel, arch, message):
+    from macinfer.modelio.loader import shard_model
+
+    model, config = _lazy(tiny_models(arch))
+    with pytest.raises(MacinferError, match=message):
+        shard_model(model, config, "tiny", _Group(ranks), parallel)
+
+
+def test_auto_is_tensor_where_mlx_lm_can_else_pipeline(tiny_models, monkeypatch):
+    from macinfer.modelio.loader import shard_model
+
+    model, config = _lazy(tiny_models("qwen2"))
+    with pytest.raises(MacinferError, match="4 attention heads do not split evenly over 3 ranks"):
+        shard_model(model, config, "tiny", _Group(3), "auto")
+    monkeypatch.delattr(type(model), "shard")
+    with pytest.raises(MacinferError, match="2 layers cannot be split over 3 ranks"):
+        shard_model(model, config, "tiny", _Group(3), "auto")
+
+
+def test_metrics_show_the_ranks_and_the_plan_time():
+    from macinfer.serve.metrics import ServerMetrics
+
+    class Engine:
+        def kv_stats(self):
+            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25, "rank_memory_bytes": [3 << 20, 5 << 20]}
+
+    class Loop:
+        engine, num_active, peak_batch, num_aborted = Engine(), 0, 1, 0
+
+    metrics = ServerMetrics()
+    metrics.attach(Loop())
+    page = metrics.render()[0].decode()
+    for line in ("macinfer_ranks 2.0", "macinfer_distributed_plans_total 7.0", "macinfer_distributed_plan_seconds_total 0.25",
+                 'macinfer_rank_active_memory_bytes{rank="0"} 3.145728e+06',
+                 'macinfer_rank_active_memory_bytes{rank="1"} 5.24288e+06'):
+        assert line in page.splitlines()
+
+
+def test_chat_under_mlx_launch_is_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    r = CliRunner().invoke(main, ["chat"])
+    assert r.exit_code == 1 and r.output.strip() == (
+        "Error: chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) or `macinfer run`")
+
+
+def test_the_watchdog_ends_a_rank_stuck_in_a_collective_with_one_line():
+    """A watched wait that outlives the timeout (a hung peer) ends the process: exit 1, one line."""
+    code = ("import time\n"
+            "from macinfer.engine.distributed import Ranks\n"
+            "class G:\n"
+            "    def rank(self): return 1\n"
+            "    def size(self): return 2\n"
+            "ranks = Ranks(G(), 'tensor', timeout=0.5)\n"
+            "with ranks.watch('rank 0 stopped sending plans'):\n"
+            "    time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("error: rank 1 of 2 (tensor parallel): rank 0 stopped sending plans "
+                                  "(nothing for 0.5 s; MACINFER_DIST_TIMEOUT sets the limit); stopping")
