@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import itertools
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import sys
@@ -146,7 +145,9 @@ class EngineProcess:
         for call_id in list(self._calls):
             self._resolve(Returned(call_id, error="the engine process stopped"))
         if not self._stopping and not reported:
-            multiprocessing.connection.wait([process.sentinel], self.STOP_TIMEOUT)
+            # NOTE: join, not a wait on the sentinel: the sentinel is ready when the child's
+            # files close, a moment before it can be reaped, and its exit code is None until then.
+            process.join(self.STOP_TIMEOUT)
             self.post(EngineStopped(exit_reason(process.exitcode)))
 
     def _resolve(self, r: Returned) -> None:
