@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from macinfer.core.sampling import SamplingParams
+        from macinfer.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -1,13 +1,23 @@
 """`macinfer chat`: headless pilot tests on a tiny model, and snapshots of the main and help screens.
 
-The app runs its real engine thread (tui.runner) on a tiny random model, so these
-test the whole path: prompt -> chat template -> LLMEngine -> Messages -> widgets.
+The app runs its real engine process (tui.engine_process, tui.runner) on a tiny random
+model, so these test the whole path: prompt -> chat template -> LLMEngine -> Messages ->
+pipe -> widgets. Backends are injected as picklable factories (functools.partial of a
+class defined here), since the engine process builds them; tests look at the engine
+through `app.engine.call` (see `on_engine`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from functools import partial
+from operator import attrgetter, methodcaller
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +25,7 @@ from click.testing import CliRunner
 from tui.app import ChatApp
 from tui.backend import ChatBackend
 from tui.screens.help import HelpScreen
+from tui.stub import StubBackend
 from tui.widgets import MetricsPanel
 from tui.widgets.transcript import Reply
 
@@ -56,12 +67,27 @@ def number(figure: str) -> float:
     return float(figure.split()[0].rstrip("%"))
 
 
-@pytest.fixture
-def paced(monkeypatch):
+async def on_engine(app, fn, *args):
+    """fn(backend, *args), run in the engine process (fn must pickle)."""
+    return await asyncio.wrap_future(app.engine.call(fn, *args))
+
+
+class PacedBackend(ChatBackend):
     """A tiny model on a quiet machine writes a whole reply between two UI refreshes
-    (text arrives at 10 Hz): pace engine steps so streaming and cancelling are observable."""
-    step = ChatBackend.step
-    monkeypatch.setattr(ChatBackend, "step", lambda self: (time.sleep(0.02), step(self))[1])
+    (text arrives at 20 Hz): pace engine steps so streaming and cancelling are observable."""
+
+    def step(self):
+        time.sleep(0.02)
+        return super().step()
+
+
+@pytest.fixture
+def paced():
+    return partial(PacedBackend, peak_bandwidth=100)
+
+
+def template_length(backend, messages) -> int:
+    return len(backend.llm.apply_chat_template(messages))
 
 
 @pytest.fixture
@@ -71,7 +97,7 @@ def tiny(tiny_models):
 
 @pytest.mark.anyio
 async def test_streamed_reply_metrics_and_history(tiny, paced):
-    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=48)
+    app = ChatApp(tiny, max_tokens=48, make_backend=paced)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         chat, panel = app.chat, app.chat.query_one(MetricsPanel)
@@ -94,28 +120,27 @@ async def test_streamed_reply_metrics_and_history(tiny, paced):
         await wait_for(pilot, lambda: chat.request_id is None, what="the second reply")
         history = app.session.messages()[:-1]
         assert [m["role"] for m in history] == ["user", "assistant", "user"]
-        want = len(app.runner.backend.llm.apply_chat_template(history))
+        want = await on_engine(app, template_length, history)
         assert f["tokens"].startswith(f"{want} in")
         # The second prompt starts with the first: the prefix cache serves its full blocks.
-        assert app.runner.backend.prefix_cache and int(f["prefix_hit"].split()[0]) >= 16, f["prefix_hit"]
+        assert await on_engine(app, attrgetter("prefix_cache")) and int(f["prefix_hit"].split()[0]) >= 16, f["prefix_hit"]
 
 
 @pytest.mark.anyio
 async def test_escape_cancels_and_frees_every_block(tiny, paced):
-    app = ChatApp(tiny, peak_bandwidth=100, max_tokens=400)
+    app = ChatApp(tiny, max_tokens=400, make_backend=paced)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         chat = app.chat
         await send(pilot, "Tell me a long story")
         await wait_for(pilot, lambda: chat.reply is not None and chat.reply.chunks, what="the first text")
-        backend = app.runner.backend
-        assert backend.kv_stats().used_blocks > 0
+        assert (await on_engine(app, methodcaller("kv_stats"))).used_blocks > 0
         await pilot.press("escape")
         await wait_for(pilot, lambda: chat.request_id is None, what="the cancel")
-        await wait_for(pilot, lambda: not backend.has_unfinished(), what="the engine to drain")
-        kv = backend.kv_stats()
+        assert not await on_engine(app, methodcaller("has_unfinished"))  # the Abort came first
+        kv = await on_engine(app, methodcaller("kv_stats"))
         assert kv.used_blocks == 0 and kv.tokens_held == 0
-        assert kv.free_blocks == backend.engine.block_pool.num_usable_blocks
+        assert kv.free_blocks == await on_engine(app, attrgetter("engine.block_pool.num_usable_blocks"))
         assert "(reply cancelled)" in notices(app)
         generated = int(chat.query_one(MetricsPanel).figures["tokens"].split(",")[1].split()[0])
         assert 0 < generated < 400
@@ -212,17 +237,14 @@ def test_chat_help_lists_an_example():
 
 
 # -- a fast engine: the stub ----------------------------------------------------------
-def stub_app(rate: float, length: int | None = None, **kwargs):
+def stub_app(rate: float, length: int | None = None, **kwargs) -> ChatApp:
     """A ChatApp on tui.stub.StubBackend (no model): its deltas take the real runner and Messages."""
-    from tui.stub import StubBackend
+    return ChatApp(make_backend=partial(StubBackend, rate=rate, length=length), **kwargs)
 
-    backends = []
 
-    def make(spec):
-        backends.append(StubBackend(spec, rate=rate, length=length))
-        return backends[-1]
-
-    return ChatApp(make_backend=make, **kwargs), backends
+async def emitted(app) -> list[list[str]]:
+    """The text deltas the stub handed out, per request, oldest request first."""
+    return list((await on_engine(app, attrgetter("emitted"))).values())
 
 
 @pytest.mark.anyio
@@ -232,13 +254,13 @@ async def test_fast_stream_shows_every_delta_in_few_markdown_updates():
     from tui.stub import SAMPLE
 
     n = 1500
-    app, backends = stub_app(rate=3000, max_tokens=n)
+    app = stub_app(rate=3000, max_tokens=n)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "Tell me about the sea")
         await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
         reply = app.chat.query_one(Reply)
-        (deltas,) = backends[-1].emitted.values()
+        (deltas,) = await emitted(app)
         assert len(deltas) == n
         want = "".join(deltas)
         assert want.startswith(SAMPLE) and len(want) > 3 * len(SAMPLE)  # it repeats: no piece may go missing
@@ -251,7 +273,7 @@ async def test_fast_stream_shows_every_delta_in_few_markdown_updates():
 
 @pytest.mark.anyio
 async def test_escape_cancels_a_fast_stream():
-    app, backends = stub_app(rate=1000, max_tokens=1_000_000)
+    app = stub_app(rate=1000, max_tokens=1_000_000)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         chat = app.chat
@@ -260,15 +282,14 @@ async def test_escape_cancels_a_fast_stream():
         reply = chat.reply
         await pilot.press("escape")
         await wait_for(pilot, lambda: chat.request_id is None, what="the cancel")
-        backend = backends[-1]
-        assert not backend.has_unfinished()
+        assert not await on_engine(app, methodcaller("has_unfinished"))
         assert "(reply cancelled)" in notices(app)
-        (deltas,) = backend.emitted.values()
+        (deltas,) = await emitted(app)
         assert 0 < len(deltas) < 1_000_000
         assert reply.text == reply.source == "".join(deltas)  # what streamed before Esc, all of it
         assert app.session.turns[-1] == {"role": "assistant", "content": reply.text}
         app.session.max_tokens = 20
-        await send(pilot, "Hi")  # the engine thread serves the next prompt
+        await send(pilot, "Hi")  # the engine serves the next prompt
         await wait_for(pilot, lambda: chat.request_id is None and chat.reply is None, what="the next reply")
         assert app.session.turns[-1]["role"] == "assistant" and app.session.turns[-2]["content"] == "Hi"
 
@@ -276,21 +297,119 @@ async def test_escape_cancels_a_fast_stream():
 @pytest.mark.anyio
 async def test_clear_during_a_fast_stream():
     """/clear mid-stream cancels the reply and drops it from the screen; the next prompt streams in full."""
-    app, backends = stub_app(rate=1000, max_tokens=1_000_000)
+    app = stub_app(rate=1000, max_tokens=1_000_000)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         chat = app.chat
         await send(pilot, "Go on forever")
         await wait_for(pilot, lambda: chat.reply is not None and chat.reply.updates, what="streamed text")
         await send(pilot, "/clear")
-        await wait_for(pilot, lambda: not backends[-1].has_unfinished(), what="the cancel")
+        assert not await on_engine(app, methodcaller("has_unfinished"))  # /clear's Abort came first
         assert not chat.query(Reply) and app.session.turns == []
         app.session.max_tokens = 300
         await send(pilot, "Hi")
         await wait_for(pilot, lambda: chat.request_id is None, what="the next reply")
         (reply,) = chat.query(Reply)
-        assert reply.source == reply.text == "".join(list(backends[-1].emitted.values())[-1])
+        assert reply.source == reply.text == "".join((await emitted(app))[-1])
         assert [t["role"] for t in app.session.turns] == ["user", "assistant"]
+
+
+# -- the engine process ------------------------------------------------------------------
+def engine_pid(backend) -> int:
+    return os.getpid()
+
+
+@pytest.mark.anyio
+async def test_engine_runs_in_its_own_process_and_ends_with_the_app():
+    app = stub_app(rate=1000, max_tokens=50)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        process = app.engine.process
+        assert await on_engine(app, engine_pid) == process.pid != os.getpid()
+        await send(pilot, "Hi")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+    assert not process.is_alive()
+    assert process.exitcode == 0  # it closed its backend and returned: not killed, no MLX abort
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet (it has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+UI_THAT_DIES = """
+import queue, sys
+from functools import partial
+from tui.engine_process import EngineProcess
+from tui.runner import Load
+from tui.stub import StubBackend
+
+if __name__ == "__main__":
+    got = queue.Queue()
+    engine = EngineProcess(partial(StubBackend, rate=100), got.put)
+    engine.start()
+    engine.submit(Load(None))
+    while type(got.get(timeout=120)).__name__ != "ModelLoaded":
+        pass
+    print(engine.pid, flush=True)
+    got.get()  # blocks until the test kills this process
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["ui-killed", "ctrl-c"])
+def test_engine_process_exits_when_the_ui_process_dies(tmp_path, sig):
+    """No orphan: a UI killed outright (or interrupted by Ctrl+C, which the engine, in its own
+    session, never receives) leaves no engine process behind."""
+    script = tmp_path / "ui.py"
+    script.write_text(UI_THAT_DIES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    ui = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True)
+    try:
+        child = int(ui.stdout.readline())
+        os.killpg(ui.pid, sig)  # the UI's whole process group, as a terminal's Ctrl+C does
+        ui.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the engine process outlived its UI"
+            time.sleep(0.05)
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+
+
+class CrashingBackend(StubBackend):
+    """Stands in for a crash in native code (MLX, Metal): the first step kills its process."""
+
+    def step(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.anyio
+async def test_engine_crash_is_one_line_and_model_restarts_it():
+    app = ChatApp(make_backend=CrashingBackend, max_tokens=50)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        before = len(notices(app))
+        await send(pilot, "Hi")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the crash to end the reply")
+        new = notices(app)[before:]
+        assert new == ["the engine process stopped (killed by SIGKILL): /model MODEL starts it again"]
+        assert app.chat.model_name is None and "no model" in status(app)
+        assert app.session.turns == []  # the prompt got no reply: out of the history
+        crashed = app.engine.pid
+        await send(pilot, "/model stub")
+        await loaded(pilot)
+        assert app.engine.pid != crashed and app.engine.alive()
 
 
 def test_stub_tokens_join_back_to_the_text():
@@ -313,7 +432,7 @@ def snapshot_app(tiny, tmp_path):
     # A fixed directory name, so the model name in the snapshot does not depend on pytest's tmp naming.
     model = tmp_path / "tiny-chat"
     shutil.copytree(tiny, model)
-    return ChatApp(str(model), make_backend=lambda spec: SteadyBackend(spec, peak_bandwidth=100))
+    return ChatApp(str(model), make_backend=partial(SteadyBackend, peak_bandwidth=100))
 
 
 async def steady(pilot):
@@ -456,9 +575,6 @@ async def test_save_and_load_a_conversation(tiny, tmp_path):
 async def test_chat_resume_restores_a_saved_conversation(tiny, tmp_path, monkeypatch):
     """`macinfer chat --resume`, through the command itself: the turns are shown and sent with the
     next prompt, the file's settings apply, and an option given on the line wins.
-
-    NOTE: one app per test: a second ChatApp loading a model in the same test fails in MLX
-    ("There is no Stream(cpu, N) in current thread"), whatever this test does.
     """
     from macinfer.cli.chat import chat_cmd
     from tui.session import ChatSession
@@ -480,7 +596,7 @@ async def test_chat_resume_restores_a_saved_conversation(tiny, tmp_path, monkeyp
         await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply after resuming")
         history = app.session.messages()[:-1]
         assert [m["role"] for m in history] == ["system", "user", "assistant", "user"]
-        want = len(app.runner.backend.llm.apply_chat_template(history))
+        want = await on_engine(app, template_length, history)
         assert app.chat.query_one(MetricsPanel).figures["tokens"] == f"{want} in, 4 out"
 
 
@@ -512,10 +628,11 @@ async def test_load_switches_to_the_saved_model(tmp_path):
     saved = ChatSession(system="Be brief.", turns=[{"role": "user", "content": "Hi"},
                                                    {"role": "assistant", "content": "Hello."}])
     path = saved.save(tmp_path / "chat.json", model="other-model")
-    app, backends = stub_app(rate=1000)
+    app = stub_app(rate=1000)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
-        assert app.chat.card.spec is None
+        assert app.chat.card.spec is None and await on_engine(app, attrgetter("spec")) is None
         await send(pilot, f"/load {path}")
-        await wait_for(pilot, lambda: app.chat.card.spec == "other-model", what="the saved model")
-        assert [b.spec for b in backends] == [None, "other-model"] and app.session == saved
+        await wait_for(pilot, lambda: app.chat.card is not None and app.chat.card.spec == "other-model",
+                       what="the saved model")
+        assert await on_engine(app, attrgetter("spec")) == "other-model" and app.session == saved

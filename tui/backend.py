@@ -1,6 +1,6 @@
 """The adapter between the chat UI and macinfer's engine: the only module that calls it.
 
-Everything here runs on the engine thread (tui.runner), never on the UI thread.
+Everything here runs in the engine process (tui.runner), never in the UI's.
 It speaks the engine's vocabulary (`add_request`, `step`, `abort_request`,
 `has_unfinished`, `kv_stats`) over `LLM(...).engine`, macinfer's paged,
 continuously-batched LLMEngine, so the runner reads like an engine loop.
@@ -11,32 +11,17 @@ which the UI shows as "n/a".
 from __future__ import annotations
 
 import gc
-import sys
 from typing import TYPE_CHECKING, Callable
 
 from macinfer.errors import MacinferError
 from tui.messages import KVStats, ModelCard
 
-if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done on the engine thread
+if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load()
     from macinfer.core.metrics import RequestMetrics
     from macinfer.core.outputs import StreamDelta
-    from macinfer.core.sampling import SamplingParams
+    from macinfer.core.sampling_params import SamplingParams
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
-
-
-def release_thread() -> None:
-    """Free the MLX streams this thread created; call last on the engine thread.
-
-    NOTE: MLX aborts the process at exit ("terminate called without an active
-    exception", exit 134) if a thread that used it did not call mx.clear_streams()
-    (ml-explore/mlx#3126, #4110).
-    """
-    if "mlx.core" in sys.modules:
-        import mlx.core as mx
-
-        mx.synchronize()
-        mx.clear_streams()
 
 
 def find_peak(override: float | None):

@@ -1,14 +1,16 @@
-"""What the engine thread tells the UI: Message dataclasses, nothing else.
+"""What the engine tells the UI: Message dataclasses, nothing else.
 
-The engine thread (tui.runner) posts these to the chat screen; the UI never
-calls the engine. Bursty ones (load progress, live stats) define `can_replace`
+The engine process (tui.runner, started by tui.engine_process) sends these to the
+UI process, whose reader thread posts them to the chat screen; the UI never calls
+the engine. They cross a pipe as their fields (EngineMessage) and are built anew on
+arrival, so everything in them pickles. Bursty ones (load progress, live stats) define `can_replace`
 so Textual drops a stale one when a newer one is already queued; the streaming
 ones (text, live stats) do not bubble, so the app does not dispatch them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from textual.message import Message
 
@@ -62,8 +64,20 @@ class Stats:
     peak_memory: int | None = None
 
 
+class EngineMessage(Message):
+    """A Message that crosses from the engine process: pickled as its dataclass fields.
+
+    NOTE: unpickling calls the constructor again, in the UI's reader thread, so the
+    Message's own bookkeeping (sender, timestamp) is the UI process's, as if it had
+    been made there; a pickled copy of the engine process's would not be.
+    """
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
+
 @dataclass(eq=False)
-class LoadProgress(Message):
+class LoadProgress(EngineMessage):
     """Model loading / first-time conversion: done of total (total None: indeterminate)."""
 
     what: str
@@ -75,20 +89,20 @@ class LoadProgress(Message):
 
 
 @dataclass(eq=False)
-class ModelLoaded(Message):
+class ModelLoaded(EngineMessage):
     card: ModelCard
     stats: Stats = field(default_factory=Stats)
 
 
 @dataclass(eq=False)
-class LoadFailed(Message):
+class LoadFailed(EngineMessage):
     spec: str | None
     error: str
     current: str | None = None  # the model still loaded, if any
 
 
 @dataclass(eq=False)
-class ReplyText(Message, bubble=False):
+class ReplyText(EngineMessage, bubble=False):
     """New text of the reply in progress (for the chat screen only: it does not bubble to the app)."""
 
     request_id: str
@@ -96,7 +110,7 @@ class ReplyText(Message, bubble=False):
 
 
 @dataclass(eq=False)
-class StatsUpdate(Message, bubble=False):
+class StatsUpdate(EngineMessage, bubble=False):
     """Live figures while a reply streams; a newer one supersedes a queued one (no bubbling)."""
 
     stats: Stats
@@ -106,7 +120,7 @@ class StatsUpdate(Message, bubble=False):
 
 
 @dataclass(eq=False)
-class ReplyFinished(Message):
+class ReplyFinished(EngineMessage):
     """The reply ended: finish_reason is "stop", "length" or "abort"."""
 
     request_id: str
@@ -116,7 +130,7 @@ class ReplyFinished(Message):
 
 
 @dataclass(eq=False)
-class ReplyFailed(Message):
+class ReplyFailed(EngineMessage):
     """The request could not run (e.g. the conversation outgrew the context)."""
 
     request_id: str | None
@@ -124,8 +138,22 @@ class ReplyFailed(Message):
 
 
 @dataclass(eq=False)
-class EngineNotice(Message):
-    """A one-line answer from the engine thread to a command (e.g. a toggle)."""
+class EngineNotice(EngineMessage):
+    """A one-line answer from the engine to a command (e.g. a toggle)."""
 
     text: str
     error: bool = False
+
+
+@dataclass(eq=False)
+class EngineStopped(EngineMessage):
+    """The engine process ended without being asked to: `error` says how, in one line."""
+
+    error: str
+
+
+@dataclass(eq=False)
+class EngineOutput(EngineMessage):
+    """Text the engine process printed (a warning, a traceback): for the app's log, not the screen."""
+
+    text: str

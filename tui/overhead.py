@@ -5,16 +5,22 @@
 
 Model mode: each round runs the prompt (greedy, so the same tokens) through
 `LLM.stream`, as `macinfer run` does, then through a headless ChatApp (engine
-thread, Messages, Markdown streaming, metrics panel) on the same model, alternating
-so machine noise hits both alike. (The app loads its own copy on its engine thread:
-MLX streams are per thread, so a model is used on the thread that loaded it.)
+process, Messages, Markdown streaming, metrics panel) on the same model, alternating
+so machine noise hits both alike. (The app's engine process loads its own copy and, like
+the bare engine, answers a 4-token warm-up first.)
 
 Stub mode (--stub-rate N): no model. tui.stub.StubBackend streams Markdown at N tok/s
-(each step sleeps 1/N s with the GIL released, as an MLX eval does) through the real
-runner, Messages and widgets. The bare rate is the same stub stepped in a plain loop;
-in the app, "engine" is the rate the stub kept up while the UI ran, and "UI" the rate
-the UI finished at: tokens after the first / (reply text complete on screen - first
-token). The ratio is UI / bare, so a UI that lags behind the engine counts too.
+(each step sleeps 1/N s, as a step waits on an MLX eval) through the real engine
+process, runner, Messages and widgets. The bare rate is the same stub stepped in a
+plain loop; in the app, "engine" is the rate the stub kept up while the UI ran, and
+"UI" the rate the UI finished at: tokens after the first / (reply text complete on
+screen - first token). The ratio is UI / bare, so a UI that lags behind the engine
+counts too. (The first token is stamped in the engine process: time.perf_counter is
+the system-wide monotonic clock on Linux and macOS, so the two processes' readings
+compare.)
+
+The engine runs in its own process (tui.engine_process) because on a thread it
+shared the UI's GIL, and the UI's layout and Markdown work delayed its every step.
 
 Prints both rates and the ratio per round, then the median ratio. Headless skips
 writing to a real terminal; the rest of the UI's work (layout, Markdown, rendering
@@ -27,6 +33,8 @@ import argparse
 import asyncio
 import statistics
 import time
+from functools import partial
+from operator import attrgetter
 
 import macinfer  # noqa: F401  (OpenBLAS before MLX)
 
@@ -40,12 +48,17 @@ def bare(llm, ids, params) -> float:
     return out.metrics.decode_tps
 
 
-async def reply_in(app, timeout: float) -> tuple[float, object]:
-    """Send PROMPT in a headless `app`: (when its reply was complete on screen, the Reply widget).
+async def reply_in(app, timeout: float, probe=None, warm_up: bool = False) -> tuple[float, object, object, object]:
+    """Send PROMPT in a headless `app`: (when its reply was complete on screen, the Reply widget,
+    the reply's Stats, probe(backend) run in the engine process afterwards).
+
+    warm_up: first a 4-token reply, out of the history, as `bare` has (the engine process
+    is new each round: its first forwards would otherwise count its warm-up).
 
     It waits on the reply's own `finish`, not by polling: a Pilot.pause visits every
     widget, work that the app alone would not do.
     """
+    from tui.widgets import MetricsPanel
     from tui.widgets.transcript import Reply
 
     done = asyncio.Event()
@@ -63,10 +76,18 @@ async def reply_in(app, timeout: float) -> tuple[float, object]:
         async with app.run_test(size=(100, 30)) as pilot:
             while app.chat.model_name is None or app.chat.loading_what is not None:
                 await pilot.pause(0.05)
-            app.chat.query_one("#prompt").set_text(PROMPT)
-            await pilot.press("enter")
-            await asyncio.wait_for(done.wait(), timeout)
-            return finished[0]
+            for max_tokens in ([4] if warm_up else []) + [app.session.max_tokens]:
+                app.session.clear()
+                app.session.max_tokens = max_tokens
+                finished.clear()
+                done.clear()
+                app.chat.query_one("#prompt").set_text(PROMPT)
+                await pilot.press("enter")
+                await asyncio.wait_for(done.wait(), timeout)
+                while app.chat.request_id is not None:  # the rest of the ReplyFinished handler
+                    await pilot.pause()
+            probed = await asyncio.wrap_future(app.engine.call(probe)) if probe else None
+            return (*finished[0], app.chat.query_one(MetricsPanel).stats, probed)
     finally:
         Reply.finish = real_finish
 
@@ -75,22 +96,18 @@ async def in_tui(model: str | None, max_tokens: int) -> float:
     from tui.app import ChatApp
 
     app = ChatApp(model, max_tokens=max_tokens, peak_bandwidth=100)
-    await reply_in(app, timeout=3600)
-    return app.runner.last_stats.decode_tps
+    _, _, stats, _ = await reply_in(app, timeout=3600, warm_up=True)
+    return stats.decode_tps
 
 
 # -- stub mode ------------------------------------------------------------------------
-class _Params:
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-
-
 def bare_stub(rate: float, n: int) -> float:
     """The stub stepped as `LLM.stream` steps an engine: no UI."""
+    from macinfer.core.sampling_params import SamplingParams
     from tui.stub import StubBackend
 
     b = StubBackend(rate=rate)
-    b.add_request(list(range(8)), _Params(n), "bare")
+    b.add_request(list(range(8)), SamplingParams(max_tokens=n), "bare")
     out = None
     while b.has_unfinished():
         for d in b.step():
@@ -103,21 +120,13 @@ async def in_tui_stub(rate: float, n: int) -> tuple[float, float, int]:
     from tui.app import ChatApp
     from tui.stub import StubBackend
 
-    backends: list[StubBackend] = []
-
-    def make(spec):
-        backends.append(StubBackend(spec, rate=rate))
-        return backends[-1]
-
-    app = ChatApp(max_tokens=n, make_backend=make)
-    finished_at, reply = await reply_in(app, timeout=60 + 4 * n / rate)
-    m = app.runner.last_stats
-    return m.decode_tps, (m.generated_tokens - 1) / (finished_at - backends[-1].first_token_time), reply.updates
+    app = ChatApp(max_tokens=n, make_backend=partial(StubBackend, rate=rate))
+    finished_at, reply, m, first_token = await reply_in(app, timeout=60 + 4 * n / rate,
+                                                        probe=attrgetter("first_token_time"))
+    return m.decode_tps, (m.generated_tokens - 1) / (finished_at - first_token), reply.updates
 
 
 def main_stub(rate: float, n: int, rounds: int) -> None:
-    import macinfer.core.sampling  # noqa: F401  (MLX, mlx-lm: imported by a real backend's load, before the app freezes the heap)
-
     bare_stub(rate, 8)  # warm-up
     ratios = []
     print(f"stub engine at {rate:g} tok/s, {n} tok per reply")

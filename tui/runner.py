@@ -1,36 +1,36 @@
-"""The engine thread: owns the backend, takes commands from a queue, posts Messages.
+"""The engine loop: owns the backend, takes commands from a pipe, posts Messages.
 
-    UI thread ──submit(Load | Generate | Abort | SetOption)──> queue
-                                                                 │
-    engine thread:  loop { drain commands; if requests run: backend.step() }
-                                                                 │
-    chat screen <──post(LoadProgress, ReplyText, StatsUpdate, ReplyFinished, ...)
+    UI process ──send(Load | Generate | Abort | SetOption | Call)──> pipe
+                                                                      │
+    engine process:  loop { take a command if one waits; if requests run: backend.step() }
+                                                                      │
+    chat screen <──(reader thread)── pipe <──post(LoadProgress, ReplyText, StatsUpdate, ...)
 
-NOTE: only this thread touches the backend (and so MLX); `submit` only enqueues.
-It never waits on the UI: `post` only queues a Message for the UI's event loop.
-Text and stats are posted at most every TEXT_INTERVAL / STATS_INTERVAL seconds so
-a fast model does not flood the UI (StatsUpdate also coalesces in the queue); the
-reply widget then batches the text it shows (tui.widgets.transcript.Reply).
+It runs on the main thread of the engine process (tui.engine_process starts it), so
+only that thread touches the backend and MLX, and nothing the UI does (layout,
+Markdown, garbage collection) holds its GIL. It never waits on the UI: `post` only
+writes to a pipe. Text and stats are posted at most every TEXT_INTERVAL /
+STATS_INTERVAL seconds so a fast model does not flood the UI (StatsUpdate also
+coalesces in the UI's queue); the reply widget then batches the text it shows
+(tui.widgets.transcript.Reply).
 """
 
 from __future__ import annotations
 
-import queue
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
-
-from textual.message import Message
+from typing import TYPE_CHECKING, Any, Callable
 
 from macinfer.errors import MacinferError
 from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import RequestOutput
-from tui.backend import release_thread
 
 if TYPE_CHECKING:
-    from macinfer.core.sampling import SamplingParams
+    from multiprocessing.connection import Connection
+
+    from macinfer.core.sampling_params import SamplingParams
     from tui.backend import ChatBackend
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)
@@ -40,7 +40,7 @@ STATS_INTERVAL = 1 / 4
 SPARK_STEPS = 60
 
 
-# -- commands (UI -> engine thread) ------------------------------------------------------
+# -- commands (UI -> engine process) ------------------------------------------------------
 @dataclass
 class Load:
     spec: str | None
@@ -65,6 +65,25 @@ class SetOption:
 
 
 @dataclass
+class Call:
+    """Run fn(backend, *args) between steps and send back Returned(call_id, ...): how tests
+    and tools look at the engine, which lives in another process (fn must pickle)."""
+
+    call_id: int
+    fn: Callable
+    args: tuple = ()
+
+
+@dataclass
+class Returned:
+    """A Call's result, or its error in one line (then value is None)."""
+
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass
 class _Live:
     """Clock and counters of the request in flight."""
 
@@ -83,48 +102,41 @@ class _Live:
     stats_posted: float = 0.0
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return s[0] if s else type(e).__name__
 
 
 class EngineRunner:
-    """Runs the backend on the calling thread until `cancelled()` is true.
+    """Runs the backend on the calling thread until the UI closes its end of the command pipe.
 
     Args:
         make_backend: builds an unloaded ChatBackend for a MODEL spec.
-        post: delivers a Message to the UI (thread-safe: Widget.post_message).
+        post: delivers a Message (or a Returned) to the UI.
     """
 
-    def __init__(self, make_backend: Callable[[str | None], ChatBackend], post: Callable[[Message], object]):
+    def __init__(self, make_backend: Callable[[str | None], ChatBackend], post: Callable[[object], object]):
         self.make_backend = make_backend
         self.post = post
         self.backend: ChatBackend | None = None
-        self.commands: queue.Queue = queue.Queue()
         self.live: dict[str, _Live] = {}
         self.last_stats = Stats()
 
-    def submit(self, command) -> None:
-        """Called from the UI thread: queue a command for the engine thread."""
-        self.commands.put(command)
-
-    def run(self, cancelled: Callable[[], bool]) -> None:
+    def run(self, commands: Connection) -> None:
+        """Take commands from `commands` (one between two steps) until the UI closes it."""
         try:
-            while not cancelled():
+            while True:
                 busy = self.backend is not None and self.backend.has_unfinished()
-                try:
-                    command = self.commands.get(block=not busy, timeout=0.1) if not busy else self.commands.get_nowait()
-                except queue.Empty:
-                    command = None
-                if command is not None:
-                    self._handle(command)
+                if commands.poll(0 if busy else None):  # idle: sleep until a command (or EOF) comes
+                    self._handle(commands.recv())  # EOFError: the UI is done, or gone
                 elif busy:
                     self._step()
+        except EOFError:
+            pass
         finally:
             if self.backend is not None:
                 self.backend.close()
                 self.backend = None
-            release_thread()
 
     # -- commands -------------------------------------------------------------------
     def _handle(self, command) -> None:
@@ -136,6 +148,8 @@ class EngineRunner:
             self._abort(command.request_id)
         elif isinstance(command, SetOption):
             self._set_option(command)
+        elif isinstance(command, Call):
+            self._call(command)
 
     def _load(self, spec: str | None) -> None:
         """Load `spec`; the previous model stays loaded if this one fails."""
@@ -143,14 +157,14 @@ class EngineRunner:
             self._abort(rid)
         old = self.backend
         current = old.info.name if old is not None and old.info is not None else None
-        backend = self.make_backend(spec)
         try:
+            backend = self.make_backend(spec)
             card = backend.load(lambda what, done, total: self.post(LoadProgress(what, done, total)))
         except (MacinferError, ValueError) as e:
-            self.post(LoadFailed(spec, _one_line(e), current))
+            self.post(LoadFailed(spec, one_line(e), current))
             return
         except Exception as e:  # a half-written model dir raises anything; keep the UI alive
-            self.post(LoadFailed(spec, f"{type(e).__name__}: {_one_line(e)}", current))
+            self.post(LoadFailed(spec, f"{type(e).__name__}: {one_line(e)}", current))
             return
         if old is not None:
             old.close()
@@ -166,7 +180,7 @@ class EngineRunner:
             ids = self.backend.encode(cmd.messages)
             self.backend.add_request(ids, cmd.params, request_id=cmd.request_id)
         except (MacinferError, ValueError) as e:
-            self.post(ReplyFailed(cmd.request_id, _one_line(e)))
+            self.post(ReplyFailed(cmd.request_id, one_line(e)))
             return
         live = self.live[cmd.request_id] = _Live(cmd.request_id, len(ids), time.perf_counter())
         self.post(StatsUpdate(self._stats(live, live.arrival)))  # prompt size, before a slow prefill
@@ -189,7 +203,13 @@ class EngineRunner:
             self.post(EngineNotice(self.backend.set_option(cmd.name, cmd.on)))
             self.post(ModelLoaded(self.backend.card(), self.last_stats))
         except (MacinferError, ValueError) as e:
-            self.post(EngineNotice(_one_line(e), error=True))
+            self.post(EngineNotice(one_line(e), error=True))
+
+    def _call(self, cmd: Call) -> None:
+        try:
+            self.post(Returned(cmd.call_id, cmd.fn(self.backend, *cmd.args)))
+        except Exception as e:  # fn failed, or its result does not pickle
+            self.post(Returned(cmd.call_id, error=f"{type(e).__name__}: {one_line(e)}"))
 
     # -- stepping -------------------------------------------------------------------
     def _step(self) -> None:
@@ -199,7 +219,7 @@ class EngineRunner:
             for rid in list(self.live):
                 self.live.pop(rid)
                 self.backend.abort_request(rid)
-                self.post(ReplyFailed(rid, f"{type(e).__name__}: {_one_line(e)}"))
+                self.post(ReplyFailed(rid, f"{type(e).__name__}: {one_line(e)}"))
             traceback.print_exc()
             return
         now = time.perf_counter()

@@ -7,10 +7,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from macinfer.core.sampling import SamplingParams
+from macinfer.core.sampling_params import SamplingParams
 
 FORMAT = "macinfer-chat/1"  # the "format" of a /save file
 
@@ -42,9 +40,7 @@ class ChatSession:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + [dict(t) for t in self.turns]
 
-    def params(self) -> "SamplingParams":
-        from macinfer.core.sampling import SamplingParams  # lazily: it imports MLX
-
+    def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed)
 
     def to_markdown(self, model: str | None = None) -> str:

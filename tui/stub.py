@@ -2,12 +2,12 @@
 
     StubBackend(rate=300)  # 300 tok/s, one token per step
 
-It speaks ChatBackend's vocabulary, so EngineRunner drives it on the engine thread
-and its deltas take the real path (runner -> Messages -> chat screen -> widgets).
-A step "computes" for 1/rate seconds with the GIL released (`time.sleep`, as an
-MLX eval releases it), then needs the GIL back to hand out its delta, just as a
-fast model's decode step does. `python -m tui.overhead --stub-rate 300` and the
-tests use it; it imports no MLX.
+It speaks ChatBackend's vocabulary, so EngineRunner drives it in the engine process
+and its deltas take the real path (runner -> pipe -> Messages -> chat screen ->
+widgets). A step "computes" for 1/rate seconds (`time.sleep`, as a decode step
+waits on an MLX eval), then hands out its delta in Python, just as a fast model's
+decode step does. `python -m tui.overhead --stub-rate 300` and the tests use it
+(ChatApp(make_backend=functools.partial(StubBackend, rate=300))); it imports no MLX.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class StubBackend:
         return request_id
 
     def step(self) -> list[StreamDelta]:
-        """Sleep one step (GIL released), then one token for every running request."""
+        """Sleep one step, then one token for every running request."""
         time.sleep(1 / self.rate)
         now = time.perf_counter()
         deltas = []

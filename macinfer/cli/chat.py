@@ -42,7 +42,7 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
       macinfer chat ./my-mlx-model --system "Answer briefly." --temp 0.7
       macinfer chat --resume chat.json                    # after /save chat.json
     """
-    from tui.app import ChatApp  # light: MLX and the model load on the engine thread, behind a progress bar
+    from tui.app import ChatApp  # light: MLX and the model load in the engine process, behind a progress bar
     from tui.session import ChatSession
 
     session = None

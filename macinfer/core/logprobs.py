@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
 
 @dataclass
 class TokenLogprob:

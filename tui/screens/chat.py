@@ -1,7 +1,7 @@
 """The chat screen: transcript, prompt, metrics panel; turns engine Messages into UI.
 
-The screen never calls the engine: it submits commands to the app's EngineRunner
-(a queue) and reacts to the Messages the engine thread posts back.
+The screen never calls the engine: it submits commands to the app's EngineProcess
+(a pipe to the engine process) and reacts to the Messages the engine sends back.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
 from tui import commands
-from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed, ReplyFinished,
-                          ReplyText, StatsUpdate)
+from tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
+                          ReplyFinished, ReplyText, StatsUpdate)
 from tui.runner import Abort, Generate, Load, SetOption
 from tui.session import ChatSession
 from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
@@ -56,8 +56,8 @@ class ChatScreen(Screen):
         return self.app.session
 
     @property
-    def runner(self):
-        return self.app.runner
+    def engine(self):
+        return self.app.engine
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -137,8 +137,22 @@ class ChatScreen(Screen):
         self._show_status()
 
     async def on_reply_failed(self, msg: ReplyFailed) -> None:
-        if msg.request_id != self.request_id:
-            return
+        if msg.request_id == self.request_id:
+            await self._end_reply(msg.error)
+
+    async def on_engine_stopped(self, msg: EngineStopped) -> None:
+        """The engine process is gone: end the reply in flight and forget the model, in one line."""
+        self.loading_what, self.model_name, self.card = None, None, None
+        self.query_one(LoadingBar).hide()
+        text = f"{msg.error}: /model MODEL starts it again"
+        if self.request_id is not None:
+            await self._end_reply(text)
+        else:
+            await self._notice(text, error=True)
+            self._show_status()
+
+    async def _end_reply(self, error: str) -> None:
+        """The reply in progress failed: keep what it wrote, drop its prompt from the history."""
         if self.reply is not None:
             await self.reply.finish()
             if not self.reply.text:
@@ -147,7 +161,7 @@ class ChatScreen(Screen):
         if self.session.turns and self.session.turns[-1]["role"] == "user":
             self.session.turns.pop()
         self.request_id, self.reply, self.cancelling = None, None, False
-        await self._notice(msg.error, error=True)
+        await self._notice(error, error=True)
         self._show_status()
 
     async def on_engine_notice(self, msg: EngineNotice) -> None:
@@ -182,13 +196,13 @@ class ChatScreen(Screen):
         self.session.add("user", text)
         self.reply = await transcript.add_reply()
         self.request_id = uuid.uuid4().hex[:12]
-        self.runner.submit(Generate(self.request_id, self.session.messages(), self.session.params()))
+        self.engine.submit(Generate(self.request_id, self.session.messages(), self.session.params()))
         self._show_status()
 
     # -- actions --------------------------------------------------------------------
     def action_cancel(self) -> None:
         if self.request_id is not None:
-            self.runner.submit(Abort(self.request_id))
+            self.engine.submit(Abort(self.request_id))
             self.cancelling = True
             self._show_status("cancelling")
 
@@ -242,7 +256,7 @@ class ChatScreen(Screen):
     async def _switch_model(self, spec: str | None) -> None:
         self.action_cancel()
         self.loading_what = f"loading {spec or 'the default model'}"
-        self.runner.submit(Load(spec))
+        self.engine.submit(Load(spec))
         await self._notice(self.loading_what)
 
     async def cmd_system(self, arg: str) -> None:
@@ -294,7 +308,7 @@ class ChatScreen(Screen):
         if current is None:
             await self._notice(f"{label}: n/a (not available in this engine yet)", error=True)
             return
-        self.runner.submit(SetOption(option, commands.parse_switch(arg, current)))
+        self.engine.submit(SetOption(option, commands.parse_switch(arg, current)))
 
     async def cmd_spec(self, arg: str) -> None:
         await self._toggle("speculation", "speculative decoding", arg)

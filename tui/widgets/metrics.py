@@ -1,6 +1,6 @@
 """The live metrics panel: why this reply is fast or slow.
 
-Every figure is measured by the engine thread and arrives in a Stats / ModelCard
+Every figure is measured in the engine process and arrives in a Stats / ModelCard
 message; a figure the engine cannot measure shows "n/a", one not measured yet "-".
 `figures` holds the displayed strings by name (what the tests read).
 """

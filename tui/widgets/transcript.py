@@ -13,16 +13,18 @@ class Reply(Markdown):
     """An assistant reply, rendered as Markdown while it streams.
 
     Text arrives faster than Textual can re-parse and re-lay-out Markdown on a fast
-    model, and every update holds the GIL that the engine thread needs between
-    steps. So `write` only queues the text, and a pump task appends what has queued
+    model. So `write` only queues the text, and a pump task appends what has queued
     to the Markdown document at most every INTERVAL seconds, and further apart when an
     update (append, layout, repaint: UI-thread CPU time) is costly, so that updates
-    take at most BUDGET of the UI thread's time. `finish` appends whatever is left:
-    the document then holds every piece written, in order (`text`).
+    take at most BUDGET of the UI thread's time and keys stay responsive. `finish`
+    appends whatever is left: the document then holds every piece written, in order
+    (`text`). NOTE: the engine runs in another process, so a larger BUDGET no longer
+    slows it; it leaves less text for `finish`, which the user waits for after the
+    last token.
     """
 
     INTERVAL = 0.05
-    BUDGET = 0.1
+    BUDGET = 0.5
 
     def __init__(self, **kwargs):
         super().__init__("", classes="turn assistant", **kwargs)
