@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.async_engine import AsyncEngine
@@ -56,3 +58,14 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_wake_up():
         aengine.shutdown()
     assert texts == [["x"] * 5] * 8  # every delta, in order, to its own client
     assert len(wakeups) == 5  # one per step, not one per delta (40)
+
+
+def test_one_engine_is_stepped_by_one_async_engine_at_a_time():
+    engine = Ticker(1, wait_for=1)
+    first = AsyncEngine(engine).start()
+    try:
+        with pytest.raises(RuntimeError, match="already served"):
+            AsyncEngine(engine).start()
+    finally:
+        first.shutdown()
+    AsyncEngine(engine).start().shutdown()  # once the first is down, another may take over

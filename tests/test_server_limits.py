@@ -153,7 +153,9 @@ def test_too_many_stop_strings_is_a_400_naming_stop(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
 
 
-def test_api_key_scheme_health_and_empty_key(llm):
+def test_api_key_scheme_health_and_empty_key(tiny_models):
+    # An LLM of its own: the module's `served` server still steps the module's one.
+    llm = LLM(str(tiny_models("llama")), num_blocks=65, max_num_seqs=1)
     with pytest.raises(MacinferError, match="--api-key is empty"):
         create_app(llm, api_key="")
     with serve_in_thread(create_app(llm, api_key="s3cret", model_name=MODEL)) as url:

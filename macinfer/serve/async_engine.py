@@ -69,6 +69,13 @@ class AsyncEngine:
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
+        """Start the engine thread. Raises RuntimeError if another AsyncEngine runs this engine:
+        two threads stepping one engine would race on its scheduler and pools (and MLX streams
+        are per thread)."""
+        owner = getattr(self.engine, "_async_engine", None)
+        if owner is not None and owner is not self and owner.is_running:
+            raise RuntimeError("this engine is already served by another AsyncEngine: shut that one down first")
+        self.engine._async_engine = self
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
             self._thread.start()
