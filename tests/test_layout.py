@@ -35,7 +35,7 @@ def layer(module: str) -> str:
     if module == "tui" or module.startswith("tui."):
         return "tui"
     sub = module.split(".")[1]
-    return {"perf": "serve"}.get(sub, sub)
+    return {"perf": "serve", "__main__": "cli"}.get(sub, sub)
 
 
 def modules() -> dict[str, Path]:
