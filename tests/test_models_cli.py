@@ -486,3 +486,13 @@ def test_ls_does_not_import_mlx_lm_or_transformers(populated):
     assert p.returncode == 0, p.stderr
     assert p.stderr.strip().splitlines()[-1] == "[]"
     assert REPO in p.stdout
+
+
+def test_a_process_keeps_each_of_its_leases(env, tmp_path):
+    from macinfer.modelio import leases
+
+    first, second = leases.take(tmp_path, "first"), leases.take(tmp_path, "second")
+    first.release()
+    third = leases.take(tmp_path, "third")  # must not overwrite the second's file
+    assert sorted(x.what for x in leases.holders(tmp_path)) == ["second", "third"]
+    second.release(), third.release()

@@ -10,12 +10,16 @@ reader never sees half a lease.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from macinfer.paths import cache_dir
+
+
+_serial = itertools.count()  # this process's leases: each its own file, even after one is released
 
 
 def leases_dir() -> Path:
@@ -38,7 +42,7 @@ def take(path: str | Path, what: str) -> Lease:
     d = leases_dir()
     d.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    lease = Lease(pid, Path(path).resolve(), what, d / f"{pid}-{len(list(d.glob(f'{pid}-*.json')))}.json")
+    lease = Lease(pid, Path(path).resolve(), what, d / f"{pid}-{next(_serial)}.json")
     tmp = lease.file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": pid, "path": str(lease.path), "what": what}))
     os.replace(tmp, lease.file)
