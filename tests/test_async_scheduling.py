@@ -51,20 +51,21 @@ def test_async_equals_sync_and_mlx_lm(load):
     model, tok = load("llama")
     arrivals, aborts, stop_index = _workload(model, model.args.vocab_size)
     results = {}
-    for mode in (True, False):
+    # async on a worker thread (the CPU backend's default), async with mx.async_eval, synchronous
+    for mode in ("thread", "async_eval", "sync"):
         engine = LLMEngine(model, tok, None, num_blocks=80, block_size=4, max_num_batched_tokens=16,
-                           max_num_seqs=8, async_scheduling=mode)
+                           max_num_seqs=8, async_scheduling=mode != "sync", eval_thread=mode == "thread")
         launches = _spy_launches(engine)
         results[mode] = run(engine, arrivals, aborts)
         assert_all_free(engine)
-        if mode:  # the steady state really ran ahead, in batches, not one row at a time
+        if mode != "sync":  # the steady state really ran ahead, in batches, not one row at a time
             assert len(launches) > 30 and max(launches) >= 4
         else:
             assert launches == []
-    on, off = results[True], results[False]
-    assert on.keys() == off.keys() == {a[3] for a in arrivals}
+    on, off = results["thread"], results["sync"]
+    assert on.keys() == off.keys() == results["async_eval"].keys() == {a[3] for a in arrivals}
     for rid in on:
-        assert on[rid][0].token_ids == off[rid][0].token_ids, rid
+        assert on[rid][0].token_ids == off[rid][0].token_ids == results["async_eval"][rid][0].token_ids, rid
         assert on[rid][0].finish_reason == off[rid][0].finish_reason, rid
         assert on[rid][1] == on[rid][0].token_ids  # streamed == final
     for _, prompt, params, rid in arrivals:

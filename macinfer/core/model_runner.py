@@ -29,6 +29,7 @@ from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
 from macinfer.core.grammar import apply_masks
+from macinfer.core.evaluator import StepEvaluator
 from macinfer.core.lm_head import split_head
 from macinfer.core.logprobs import LogprobRows
 from macinfer.core.scheduler import ScheduledSequence
@@ -50,6 +51,7 @@ class ModelRunner:
                  batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None):
         self.model = model
         self.block_size = block_size
+        self.evaluator = StepEvaluator(threaded=False)  # the engine's own replaces it (LLMEngine)
         self.batch_decode = batch_decode
         self.pick_last_rows = norm_applied_once(model)  # prefill: the head on each row's last position only
         self.ctx = ForwardContext()
@@ -211,10 +213,11 @@ class ModelRunner:
 
         Each seq computes the token at position seq.num_computed_tokens (its slot is
         allocated); `tokens` (B,) are the input ids, usually the previous step's sampled
-        ids, still lazy. The graph is built now and handed to mx.async_eval, so the host
-        can resolve the previous step (and build the next one) while this one computes,
-        as mlx-lm's generate_step does. Returns the lazy sampled ids (B,) and the rows'
-        logprobs (delivered when the ids are read back).
+        ids, still lazy. The graph is built now and launched (self.evaluator: mx.async_eval, or a
+        worker thread on the CPU backend), so the host can resolve the previous step (and build
+        the next one) while this one computes, as mlx-lm's generate_step does. Returns the lazy
+        sampled ids (B,) and the rows' logprobs (delivered when the ids are read back, after
+        `self.evaluator.last.wait()`).
         """
         starts = [s.num_computed_tokens for s in seqs]
         self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
@@ -231,7 +234,8 @@ class ModelRunner:
             sampled = mx.concatenate([self._launch_row(s, logits[j: j + 1], tokens[j: j + 1], logprob_rows)
                                       for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
-        mx.async_eval(sampled, [c.state for c in self.caches], self._take_with_forward(), logprob_rows.arrays())
+        self.evaluator.launch([sampled, [c.state for c in self.caches], self._take_with_forward(),
+                               logprob_rows.arrays()])
         return sampled, logprob_rows
 
     def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:

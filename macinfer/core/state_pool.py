@@ -11,6 +11,7 @@ num_slots x bytes_per_slot of its KV budget for them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -157,13 +158,13 @@ class StateScheduler(Scheduler):
         if self._caching and self._full_hit.pop(seq.request_id, 0) > computed:
             self.snapshots.stats.shortened += 1
 
-    def take_snapshots(self, seqs: list[Sequence], lazy: bool = False) -> int:
+    def take_snapshots(self, seqs: list[Sequence], launch: Callable[[list], object] | None = None) -> int:
         """After a forward: copy the state of each seq that stands at a block boundary worth keeping.
 
         At one of its targets, the copy is stored under the hash of the block ending there; past its
         prompt, it becomes the sequence's pending snapshot (stored when it finishes). Each seq's
-        num_computed_tokens must be where its slot's state is. lazy: queue the copies with
-        mx.async_eval (a pipelined step in flight) instead of evaluating them now.
+        num_computed_tokens must be where its slot's state is. launch: queue the copies with it
+        (a pipelined step in flight: StepEvaluator.launch) instead of evaluating them now.
 
         Returns:
             How many copies were made.
@@ -189,7 +190,7 @@ class StateScheduler(Scheduler):
                 if arrays is not None and snaps.put_pending(seq.request_id, pos, arrays):
                     copies.append(arrays)
         if copies:
-            (mx.async_eval if lazy else mx.eval)(copies)
+            (launch or mx.eval)(copies)
         return len(copies)
 
     def _promote(self, seq: Sequence) -> None:

@@ -49,6 +49,8 @@ class EngineConfig:
             against the reference, else the reference), "metal" or "reference".
         async_scheduling: overlap building each decode step with the previous
             step's compute (module docstring); outputs are the same either way.
+        eval_thread: evaluate launched decode steps on a worker thread (macinfer.core.evaluator);
+            None: where that is what lets them overlap (MLX without Metal, one process).
         state_snapshot_memory: models with recurrent state layers, prefix cache on: what the
             recurrent-state snapshots at block boundaries may hold (macinfer.core.state_snapshots),
             bytes or "256MB", out of the KV budget. None: one per state slot (max_num_seqs), at
@@ -73,6 +75,7 @@ class EngineConfig:
     kv_group_size: int | None = None
     attention: str = "auto"
     async_scheduling: bool = True
+    eval_thread: bool | None = None
     state_snapshot_memory: int | str | None = None
 
     def __post_init__(self):
@@ -82,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if self.eval_thread not in (None, True, False):
+            raise ValueError(f"eval_thread must be True, False or None, got {self.eval_thread!r}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(default_token_budget(mx.metal.is_available()), self.max_num_seqs)
 

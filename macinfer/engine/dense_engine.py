@@ -134,11 +134,9 @@ class _DenseRequests:
 
 
 class _NoBlocks:
-    """Dense caches: nothing to persist when a request finishes (LLMEngine._finish calls this)."""
+    """Dense caches: no persistent tier to write to when a request finishes (LLMEngine._finish reads this)."""
 
-    @staticmethod
-    def persist(token_ids) -> None:
-        return None
+    store = None
 
 
 class DenseEngine:
@@ -162,7 +160,7 @@ class DenseEngine:
 
     # LLMEngine's stop / streaming / output code, shared rather than copied. It reads
     # self.requests, self.eos_token_ids, self.scheduler.finish(seq, status) and
-    # self.block_pool.persist(token_ids), which this class provides.
+    # self.block_pool.store, which this class provides.
     _process_token = LLMEngine._process_token
     _truncate_at_stop = staticmethod(LLMEngine._truncate_at_stop)
     _delta = LLMEngine._delta

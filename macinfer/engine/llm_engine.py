@@ -31,6 +31,7 @@ from functools import partial
 
 
 from macinfer.core.block_pool import BlockPool
+from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.grammar import GrammarCompiler, advance
 from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
@@ -84,6 +85,8 @@ class LLMEngine(PipelinedSteps):
         runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
         self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                              kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+        threaded = config.eval_thread if config.eval_thread is not None else ranks is None and threads_pay_off()
+        self.runner.evaluator = StepEvaluator(threaded and config.async_scheduling)
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.state_pool = self.snapshots = None
         if states:
@@ -191,7 +194,8 @@ class LLMEngine(PipelinedSteps):
             MacinferError: empty prompt, prompt longer than the context, a prompt whose KV
                 could never fit in the pool, or a structured output grammar that is invalid.
         """
-        seq = self._new_sequence(prompt, params, request_id, arrival_time)
+        with self.runner.evaluator.context():  # a sampler's arrays on the stream the steps use
+            seq = self._new_sequence(prompt, params, request_id, arrival_time)
         n = len(seq.prompt_token_ids)
         if self.block_pool.num_blocks_for(n) > self.block_pool.num_usable_blocks:
             raise MacinferError(
@@ -254,6 +258,10 @@ class LLMEngine(PipelinedSteps):
             A StreamDelta for every request that produced text or finished (the
             finished ones carry `output`, the whole RequestOutput).
         """
+        with self.runner.evaluator.context():
+            return self._step()
+
+    def _step(self) -> list[StreamDelta]:
         deltas, self._pending = self._pending, []
         if self._inflight is None and (rows := self._decode_rows(None)):
             self._inflight = self._launch(rows, None)
@@ -366,7 +374,9 @@ class LLMEngine(PipelinedSteps):
             metrics=seq.metrics,
             logprobs=seq.logprobs,
         )
-        self.block_pool.persist(seq.token_ids)  # its cached blocks to disk (persistent tier only)
+        if self.block_pool.store is not None:  # its cached blocks to disk: reads the pools, so after the worker
+            self.runner.evaluator.drain()
+            self.block_pool.persist(seq.token_ids)
         self.requests.pop(seq.request_id, None)
         seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta

@@ -11,6 +11,10 @@ row in step n+1, which is dropped (its K/V slot lies past the sequence's end and
 its blocks are freed as usual). Anything else (admitting a request, a prefill
 chunk, drafts, too few free blocks) first reads back the step in flight, then runs
 a plain synchronous step.
+
+Where a step is evaluated is the runner's StepEvaluator (macinfer.core.evaluator): mx.async_eval,
+or on MLX's CPU backend a worker thread, whose jobs are waited for before their ids are read and
+drained before any synchronous step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from macinfer.core.evaluator import Job
 from macinfer.core.logprobs import LogprobRows
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sequence import Sequence
@@ -32,6 +37,7 @@ class InFlight:
     seqs: list[Sequence]
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
     logprob_rows: LogprobRows  # the rows' logprobs (those that asked), delivered with the ids
+    job: Job | None = None  # the forward's evaluation on the worker thread (threaded evaluator only)
 
 
 class PipelinedSteps:
@@ -48,6 +54,8 @@ class PipelinedSteps:
         rows = self._decode_rows(prev)
         self._inflight = self._launch(rows, prev) if rows else None
         deltas = self._resolve(prev)
+        if self._inflight is None:
+            self.runner.evaluator.drain()  # a synchronous step comes next: nothing may run behind it
         if self.spec is not None:
             # Read-back to read-back is one step's cost only while a step is queued behind
             # each. The last read-back before a synchronous step has none: where queueing
@@ -108,15 +116,18 @@ class PipelinedSteps:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
         sampled, logprob_rows = self.runner.launch_decode(rows, tokens)
+        job = self.runner.evaluator.last
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
         if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
-            self.scheduler.take_snapshots(rows, lazy=True)
-        return InFlight(rows, sampled, logprob_rows)
+            self.scheduler.take_snapshots(rows, launch=self.runner.evaluator.launch)
+        return InFlight(rows, sampled, logprob_rows, job)
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
         """Read a launched step's tokens back and process them like a synchronous step."""
         deltas = []
+        if step.job is not None:
+            step.job.wait()  # before reading: the engine thread evaluates nothing a worker may be evaluating
         tokens = step.tokens.tolist()
         step.logprob_rows.deliver()
         for seq, tok in zip(step.seqs, tokens):

@@ -1,0 +1,157 @@
+"""Where a launched decode step is evaluated while the host builds the next one.
+
+Async scheduling (macinfer.engine.pipeline) queues step n and builds step n+1 before reading
+step n back. On Metal, mx.async_eval returns once the step's command buffers are queued, so the
+host's Python overlaps the GPU's work. On MLX's CPU backend it does not: eval_impl waits whenever
+more than MAX_ACTIVE_TASKS (10) tasks of 10 ops each are queued (mlx/transforms.cpp,
+mlx/backend/cpu/encoder.h), so async_eval returns only when all but the last ~100 ops of a step
+have run, and building the next step adds to the step instead of overlapping it
+(docs/platform.md, "Async evaluation on the CPU backend").
+
+So on the CPU backend a StepEvaluator hands each launched step to a worker thread of its own,
+which runs mx.eval (that releases the GIL) while the engine thread builds the next step,
+detokenises and schedules. Elsewhere (Metal, or `threaded=False`) `launch` is mx.async_eval.
+
+Invariants in threaded mode:
+- Every array the engine builds lives on `stream`, a thread-unsafe CPU stream: MLX keeps
+  ordinary streams per thread, and the worker must evaluate what the engine thread built.
+  `context()` makes it the default stream; the engine enters it for each step and request.
+- While a job is queued or running, the engine thread builds graphs but evaluates nothing on
+  `stream`: results of a launched step are read only after `Job.wait()`, and any other
+  evaluation (a synchronous step, writing blocks to disk) comes after `drain()`.
+- Jobs run in launch order; a job drops its arrays once evaluated, so the next step's writes
+  into the KV pools can reuse their buffers (a pool referenced twice would be copied).
+- OpenBLAS is held to one thread from the first launch to `drain()` (macinfer._blas.set_threads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+
+import mlx.core as mx
+
+import macinfer._blas as _blas
+
+_free_streams: list = []  # thread-unsafe CPU streams of evaluators that are gone (MLX never frees one)
+_streams_lock = threading.Lock()
+
+
+def _take_stream():
+    with _streams_lock:
+        return _free_streams.pop() if _free_streams else mx.new_thread_unsafe_stream(mx.cpu)
+
+
+def _retire(stream, jobs: queue.Queue, box: list) -> None:
+    """An evaluator is gone: stop its worker after the jobs queued, then free its stream for another."""
+    worker = box[0]
+    if worker is not None:
+        jobs.put(None)
+        if worker is threading.current_thread():
+            return  # collected on its own worker: that stream is simply not reused
+        worker.join()
+    with _streams_lock:
+        _free_streams.append(stream)
+
+
+def threads_pay_off() -> bool:
+    """True where async_eval cannot overlap the host with the step: MLX without Metal."""
+    return not mx.metal.is_available()
+
+
+class Job:
+    """One launched step's arrays; `wait()` returns once they are evaluated (or raises what eval raised)."""
+
+    __slots__ = ("arrays", "done", "error")
+
+    def __init__(self, arrays: list):
+        self.arrays, self.done, self.error = arrays, threading.Event(), None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class StepEvaluator:
+    """Evaluates launched steps: on a worker thread (threaded) or with mx.async_eval."""
+
+    IDLE_EXIT_S = 2.0  # an idle worker thread ends; the next launch starts another
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded
+        self.stream = _take_stream() if threaded else None
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._box: list[threading.Thread | None] = [None]  # the worker thread, if running
+        self._last: Job | None = None  # the newest job launched
+        self._blas_threads: int | None = None  # OpenBLAS's own count while held to one thread
+        if threaded:
+            weakref.finalize(self, _retire, self.stream, self._queue, self._box)
+
+    def context(self):
+        """The default stream for everything the engine builds (a no-op unless threaded)."""
+        return mx.stream(self.stream) if self.threaded else contextlib.nullcontext()
+
+    def launch(self, arrays: list) -> Job | None:
+        """Evaluate arrays behind everything launched before; returns the job (None: mx.async_eval)."""
+        if not self.threaded:
+            mx.async_eval(arrays)
+            return None
+        if self._blas_threads is None:
+            self._blas_threads = _blas.set_threads(1) or 0
+        job = Job(arrays)
+        with self._lock:
+            self._queue.put(job)
+            self._last = job
+            if self._box[0] is None:
+                self._box[0] = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                                name="macinfer-eval", daemon=True)
+                self._box[0].start()
+        return job
+
+    @property
+    def last(self) -> Job | None:
+        """The newest job launched and not drained (None: nothing, or not threaded)."""
+        return self._last
+
+    def drain(self) -> None:
+        """Wait for every launched job; the engine thread may evaluate on its own afterwards."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.done.wait()  # an error is raised by the wait of the step it belongs to
+        if self._blas_threads:
+            _blas.set_threads(self._blas_threads)
+        self._blas_threads = None
+
+    def _idle_exit(self) -> bool:
+        """The worker's question after waiting in vain: may it end? (Yes if nothing was queued meanwhile.)"""
+        with self._lock:
+            if self._queue.empty():
+                self._box[0] = None
+                return True
+            return False
+
+
+def _work(owner: weakref.ref, jobs: queue.Queue) -> None:
+    """The worker: evaluate jobs in order (holding only a weak reference to its evaluator)."""
+    while True:
+        try:
+            job = jobs.get(timeout=StepEvaluator.IDLE_EXIT_S)
+        except queue.Empty:
+            ev = owner()
+            if ev is None or ev._idle_exit():
+                return
+            del ev
+            continue
+        if job is None:  # its evaluator was collected (_retire)
+            return
+        try:
+            mx.eval(job.arrays)
+        except BaseException as e:  # raised to the engine by job.wait()
+            job.error = e
+        job.arrays = None
+        job.done.set()
+        del job
