@@ -7,13 +7,15 @@ import gc
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import macinfer._blas as blas
 from macinfer.core import evaluator as ev_mod
-from macinfer.core.evaluator import StepEvaluator
+from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.sampling import SamplingParams
 from macinfer.engine.llm_engine import LLMEngine
+from macinfer.kv.model_probe import forward_evaluates
 
 
 def test_jobs_run_in_order_on_the_worker():
@@ -112,3 +114,22 @@ def test_no_synchronous_forward_while_a_step_is_on_the_worker(load):
         if steps == 6:  # a late arrival: admitting it needs a synchronous step behind launched ones
             engine.add_request(list(range(7, 20)), SamplingParams(max_tokens=6, ignore_eos=True), "late")
     assert launched and checked and all(checked), checked
+
+
+class _Routing(nn.Module):
+    """A layer that reads its routing back while the forward is built, as mlx-lm's dbrx does."""
+
+    def __call__(self, x):
+        return x[: max(1, int(mx.argmax(x).item()) % 2)]
+
+
+def test_a_forward_that_reads_back_is_never_built_beside_the_worker(load):
+    model, tok = load("llama")
+    assert forward_evaluates(model) == []
+    assert LLMEngine(model, tok, None, num_blocks=16, block_size=4).runner.evaluator.threaded == threads_pay_off()
+    model.extra = _Routing()  # now a class of the model lives in a module with a read-back
+    try:
+        assert forward_evaluates(model) == [__name__]
+        assert not LLMEngine(model, tok, None, num_blocks=16, block_size=4).runner.evaluator.threaded
+    finally:
+        del model.extra

@@ -18,7 +18,10 @@ Invariants in threaded mode:
   `context()` makes it the default stream; the engine enters it for each step and request.
 - While a job is queued or running, the engine thread builds graphs but evaluates nothing on
   `stream`: results of a launched step are read only after `Job.wait()`, and any other
-  evaluation (a synchronous step, writing blocks to disk) comes after `drain()`.
+  evaluation (a synchronous step, writing blocks to disk) comes after `drain()`. A forward that
+  evaluates while it is built (a model whose source reads arrays back, see
+  macinfer.kv.model_probe.forward_evaluates; a kernel dispatch checking a new shape class) is
+  built only after `drain()` and launched inline, or the engine is not threaded at all.
 - Jobs run in launch order; a job drops its arrays once evaluated, so the next step's writes
   into the KV pools can reuse their buffers (a pool referenced twice would be copied).
 - OpenBLAS is held to one thread from the first launch to `drain()` (macinfer._blas.set_threads).
@@ -95,9 +98,13 @@ class StepEvaluator:
         """The default stream for everything the engine builds (a no-op unless threaded)."""
         return mx.stream(self.stream) if self.threaded else contextlib.nullcontext()
 
-    def launch(self, arrays: list) -> Job | None:
-        """Evaluate arrays behind everything launched before; returns the job (None: mx.async_eval)."""
-        if not self.threaded:
+    def launch(self, arrays: list, inline: bool = False) -> Job | None:
+        """Evaluate arrays behind everything launched before; returns the job (None: mx.async_eval).
+
+        inline: with mx.async_eval on this thread even if threaded (the caller drained first).
+        """
+        if not self.threaded or inline:
+            assert self._last is None or not inline, "drain() before an inline launch"
             mx.async_eval(arrays)
             return None
         if self._blas_threads is None:

@@ -219,6 +219,9 @@ class ModelRunner:
         sampled ids (B,) and the rows' logprobs (delivered when the ids are read back, after
         `self.evaluator.last.wait()`).
         """
+        alone = self.ctx.attention_fn is not None  # a kernel dispatch checks shape classes as the forward is built
+        if alone:
+            self.evaluator.drain()  # that evaluates: nothing may be evaluating beside it
         starts = [s.num_computed_tokens for s in seqs]
         self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
         if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
@@ -235,7 +238,7 @@ class ModelRunner:
                                       for j, s in enumerate(seqs)])
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
         self.evaluator.launch([sampled, [c.state for c in self.caches], self._take_with_forward(),
-                               logprob_rows.arrays()])
+                               logprob_rows.arrays()], inline=alone)
         return sampled, logprob_rows
 
     def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:

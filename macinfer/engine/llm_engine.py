@@ -37,7 +37,7 @@ from macinfer.errors import MacinferError
 from macinfer.units import fmt_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
-from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
+from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
 from macinfer.core.prefix_cache import prefix_cache_stats
 from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
@@ -85,7 +85,9 @@ class LLMEngine(PipelinedSteps):
         runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
         self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                              kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-        threaded = config.eval_thread if config.eval_thread is not None else ranks is None and threads_pay_off()
+        threaded = config.eval_thread
+        if threaded is None:  # and only for a lazy forward: the engine thread builds it beside the worker
+            threaded = ranks is None and threads_pay_off() and not forward_evaluates(model)
         self.runner.evaluator = StepEvaluator(threaded and config.async_scheduling)
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.state_pool = self.snapshots = None

@@ -10,6 +10,8 @@ attend their own way are retyped (macinfer.kv.attention_variants).
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 
 import mlx.core as mx
@@ -92,3 +94,29 @@ def supports_batched_offsets(model: nn.Module) -> bool:
     # position ids) make a Python int of it, which a lazy two-row forward finds out.
     return (not any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules())
             and batched_offsets_work(model))
+
+
+# Reading an array back (or evaluating one) inside a forward: what a lazy forward must not do.
+_EVAL_POINT = re.compile(r"mx\.eval\(|mx\.async_eval\(|\.item\(\)|\.tolist\(\)|np\.(?:as)?array\(")
+
+
+def forward_evaluates(model: nn.Module) -> list[str]:
+    """The modules of the model's classes whose source reads arrays back (mlx-lm's dbrx routes with
+    `inds.tolist()`, muse_spark evaluates its prefill chunks): their forward is not lazy.
+
+    Read from the source of every module a class of the model lives in, so a new mlx-lm model is
+    judged as it is; macinfer's own modules (the attention and RoPE it installs) keep their forwards
+    lazy by construction and are not read. The engine then builds such a forward only while nothing
+    else evaluates (macinfer.core.evaluator).
+    """
+    names = sorted(n for n in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+                   if n.split(".")[0] != "macinfer")
+    found = []
+    for name in names:
+        try:
+            source = inspect.getsource(sys.modules[name])
+        except (KeyError, OSError, TypeError):
+            continue
+        if _EVAL_POINT.search(source):
+            found.append(name)
+    return found
