@@ -33,7 +33,7 @@ from typing import Any, Callable
 from macinfer.modelio.leases import Lease, take
 from macinfer.serve.async_engine import AsyncEngine
 from macinfer.serve.schemas import APIError
-from macinfer.units import fmt_bytes
+from macinfer.units import fmt_bytes, parse_bytes
 
 log = logging.getLogger("macinfer.serve.server")
 
@@ -77,16 +77,16 @@ class PoolOptions:
     """What a server serves besides its default model, and the budget it loads them under.
 
     Args:
-        others: names of further models to serve (each loaded by `load(name)`).
-        load: an LLM from a model's name (run on a worker thread); None: the default model alone.
+        others: {name: spec} of further models to serve (each loaded by `load(spec)`).
+        load: an LLM from a model's spec (run on a worker thread).
         discover: {name: context length or None} of the models `macinfer ls` lists, or None.
         max_loaded: models loaded at once besides the default; None: no limit.
         memory: bytes the loaded models (the default's included) may take; None: no limit.
-        estimate: bytes a model will take once loaded, from its name (before loading it).
+        estimate: bytes a model will take once loaded, from its spec (before loading it).
         lease_what: with it, a lease on each loaded model's directory (`macinfer rm` refuses it).
     """
 
-    others: list[str] = field(default_factory=list)
+    others: dict[str, str] = field(default_factory=dict)
     load: Callable[[str], Any] | None = None
     discover: Callable[[], dict[str, int | None]] | None = None
     max_loaded: int | None = 1
@@ -110,8 +110,8 @@ class ModelPool:
         o = self.options = options or PoolOptions()
         default.pinned = True
         self.models: dict[str, ServedModel] = {default.name: default}
-        for name in o.others:
-            self.models.setdefault(name, ServedModel(name, name))
+        for name, spec in o.others.items():
+            self.models.setdefault(name, ServedModel(name, spec))
         self.num_loads = self.num_unloads = 0
         self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
 
@@ -275,3 +275,23 @@ def _free(engine: AsyncEngine) -> None:
     engine.shutdown()
     gc.collect()
     mx.clear_cache()
+
+
+def local_models() -> dict[str, int | None]:
+    """{name: context length} of the models `macinfer ls` lists as downloaded (PoolOptions.discover)."""
+    from macinfer.modelio.registry import list_models
+
+    return {m.name: m.context_length for m in list_models(include_catalog=False) if m.downloaded}
+
+
+def estimate_bytes(spec: str, kv_memory: str | int | None) -> int:
+    """A model's bytes once loaded, before loading it: its weight files and its KV budget.
+
+    Quantised weights loaded as float take more than their files: the pool measures each model
+    once loaded and unloads more if the estimate was short.
+    """
+    from macinfer.engine.config import default_kv_memory
+    from macinfer.modelio.registry import find_model
+
+    weights = find_model(spec).size_bytes or 0
+    return weights + (parse_bytes(kv_memory, "the KV memory budget") if kv_memory else default_kv_memory(weights))
