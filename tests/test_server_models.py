@@ -13,7 +13,7 @@ from oracle import mlx_lm_greedy, mlx_lm_load
 
 from macinfer.llm import LLM
 from macinfer.modelio.leases import holders
-from macinfer.serve.model_pool import PoolOptions, local_models
+from macinfer.serve.model_pool import PoolOptions, estimate_bytes, local_models
 from macinfer.serve.server import create_app, serve_in_thread
 
 PROMPT = "Paged attention stores the key value cache"
@@ -143,6 +143,43 @@ def test_an_unload_waits_for_the_models_running_stream(paths):
     assert ids[:len(alone)] == alone
     assert other["ids"] == greedy(paths["tiny-qwen3"])
     assert loaded(app) == {"tiny-llama", "tiny-qwen3"}
+
+
+def test_a_memory_budget_unloads_what_does_not_fit_and_refuses_a_model_that_never_fits(paths):
+    app = app_of(paths, max_loaded=None)
+    pool = app.state.server.pool
+    with serve_in_thread(app) as url:
+        size = pool.default.nbytes  # weights + KV pool, measured; the three tiny models are within 0.2%
+        pool.options.memory, pool.options.estimate = int(2.5 * size), lambda spec: size
+        complete(url, "tiny-qwen2")
+        assert loaded(app) == {"tiny-llama", "tiny-qwen2"}
+        assert complete(url, "tiny-qwen3") == greedy(paths["tiny-qwen3"])
+        assert loaded(app) == {"tiny-llama", "tiny-qwen3"}
+        pool.options.memory = int(1.5 * size)  # room for the default alone
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-qwen2", "prompt": "x"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_too_large"
+        assert "'tiny-qwen2' cannot be loaded" in r.json()["error"]["message"]
+        assert loaded(app) == {"tiny-llama"}
+
+
+def test_estimate_is_the_weight_files_and_the_kv_budget(paths):
+    from macinfer.modelio.model_files import dir_size
+
+    path = paths["tiny-qwen2"]
+    assert estimate_bytes(str(path), "1MB") == dir_size(path) + 10**6
+
+
+def test_a_model_that_fails_to_load_is_a_503_and_the_server_serves_on(paths):
+    app = create_app(load(str(paths["tiny-llama"])), model_name="tiny-llama",
+                     models=PoolOptions(others={"broken": "/no/such/model"}, load=load))
+    with serve_in_thread(app) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "broken", "prompt": "x"}, timeout=30)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_load_failed" and err["message"].startswith("could not load the model 'broken': ")
+        assert "no such model" in err["message"] and "\n" not in err["message"]
+        assert complete(url, "tiny-llama") == greedy(paths["tiny-llama"])
+        assert loaded(app) == {"tiny-llama"}
 
 
 def test_unknown_model_is_a_404_naming_it_and_metrics_carry_model_labels(paths):

@@ -4,8 +4,9 @@ Routes: POST /v1/chat/completions and /v1/completions (server-sent events when
 `stream` is true), GET /v1/models, /health and /metrics (Prometheus text).
 
 Design choices:
-- Every request goes through one AsyncEngine, so concurrent clients share the
-  engine's batched steps; a client that disconnects aborts its request.
+- Every request goes through its model's AsyncEngine, so concurrent clients of a model share
+  the engine's batched steps; a client that disconnects aborts its request. Which models are
+  loaded (the default, others on demand, under a budget) is macinfer.serve.model_pool's.
 - Input is checked before anything is queued (schema, parameters, prompt length),
   so every bad request gets a 4xx with OpenAI's error body and the first streamed
   byte is only sent once the engine has accepted the request.
