@@ -104,6 +104,25 @@ def test_a_budget_of_one_unloads_the_least_recently_used_and_releases_its_lease(
         assert loaded(app) == {"tiny-llama", "tiny-qwen2"}
 
 
+def test_concurrent_requests_for_two_models_under_a_budget_of_one_all_finish(paths):
+    """Each load evicts the other model: a request holding a model that is just loaded is served
+    before that model is unloaded (it once waited for an unload that waited for it)."""
+    app = app_of(paths, max_loaded=1)
+    names = ["tiny-qwen2", "tiny-qwen3"] * 2
+
+    async def all_of(url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+            rs = await asyncio.gather(*(c.completions.create(
+                model=name, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+                for name in names))
+        return [r.choices[0].model_extra["token_ids"] for r in rs]
+
+    with serve_in_thread(app) as url:
+        got = asyncio.run(all_of(url))
+    assert got == [greedy(paths[name]) for name in names]
+    assert len(loaded(app)) == 2 and app.state.server.pool.num_unloads >= 1
+
+
 def test_an_unload_waits_for_the_models_running_stream(paths):
     """qwen3's request must unload qwen2, which is streaming: qwen2 is drained (it takes no new
     request, its stream runs to its end), then unloaded, then qwen3 loads."""

@@ -179,7 +179,9 @@ class ModelPool:
             await asyncio.sleep(POLL_SECONDS)
         m.holds += 1
         try:
-            while not m.loaded or m.draining:
+            # NOTE: once held, a loaded model is served even if another load chose it for
+            # unloading meanwhile: that unload waits for this hold, so waiting for it would deadlock.
+            while not m.loaded:
                 if m.loading is None:
                     m.loading = asyncio.ensure_future(self._load(m))
                 await asyncio.shield(m.loading)
@@ -198,7 +200,7 @@ class ModelPool:
         self._lock = self._lock or asyncio.Lock()
         try:
             async with self._lock:  # one load (and its unloads) at a time
-                if m.loaded and not m.draining:
+                if m.loaded:
                     return
                 o = self.options
                 need = await asyncio.to_thread(o.estimate, m.spec) if o.memory and o.estimate else 0
@@ -209,7 +211,7 @@ class ModelPool:
                     raise APIError(503, f"could not load the model '{m.name}': {e}", "model",
                                    "model_load_failed", "server_error") from None
                 m.llm, m.engine = llm, self.start_engine(m.name, llm)
-                m.nbytes = _nbytes(m)
+                m.nbytes, m.last_used = _nbytes(m), time.monotonic()
                 if o.lease_what and llm.info.path is not None:
                     m.lease = take(llm.info.path, o.lease_what)
                 self.num_loads += 1
@@ -229,14 +231,15 @@ class ModelPool:
         return None
 
     async def _make_room(self, keep: ServedModel, need: int) -> None:
-        """Unload the least recently used models other than `keep` until it fits.
+        """Unload the least recently used models other than `keep` (idle ones first) until it fits.
 
         Raises:
             APIError: 503 when only pinned models are left and `keep` still does not fit (before
                 its load; after it, a warning: the measured size was larger than the estimate).
         """
         while (why := self._over(keep, need)) is not None:
-            victims = sorted((x for x in self.loaded() if x is not keep and not x.pinned), key=lambda x: x.last_used)
+            victims = sorted((x for x in self.loaded() if x is not keep and not x.pinned),
+                             key=lambda x: (x.busy, x.last_used))  # idle ones first, then least recently used
             if not victims:
                 if keep.loaded:
                     log.warning("%s is loaded although %s", keep.name, why)
