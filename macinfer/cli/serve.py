@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import click
 
+from macinfer.errors import MacinferError
+
 from macinfer.cli.options import engine_option, engine_options, one_line_errors, parallel_option
 
 
@@ -18,7 +20,17 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @click.option("--health-auth", is_flag=True, help="Require the API key on /health too (open by default, for load balancers).")
 @click.option("--max-queue", type=click.IntRange(0),
               help="Requests waiting beyond --max-num-seqs at most (default 256); more get 429 with Retry-After.")
-@click.option("--served-model-name", help="The model name clients send (default: the model's name).")
+@click.option("--served-model-name", help="The default model's name for clients (default: the model's name).")
+@click.option("--model", "models", multiple=True,
+              help="A model to serve (repeatable): the first given (or MODEL) is the default, for requests naming "
+                   "none; the others load on the first request naming them.")
+@click.option("--local-models/--no-local-models", default=True, show_default=True,
+              help="Also serve every model `macinfer ls` lists as downloaded, by the name it lists.")
+@click.option("--max-loaded-models", type=click.IntRange(0), default=1, show_default=True,
+              help="Models loaded at once besides the default; loading another unloads the least recently used.")
+@click.option("--models-memory",
+              help="Memory the loaded models' weights and KV pools may take, e.g. 24GB; the least recently used "
+                   "are unloaded to stay under it (default: no limit).")
 @click.option("--kv-memory", help="KV cache budget, e.g. 4GB (default: sized from the machine).")
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most.")
 @click.option("--dequantize/--keep-quantized", default=None,
@@ -30,8 +42,8 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
-def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, kv_memory, max_num_seqs, dequantize,
-              lenient, log_level, engine, parallel):
+def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
+              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, log_level, engine, parallel):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -44,10 +56,17 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     /health needs the key (--health-auth: /health too). Bodies over 8 MiB get 413;
     beyond --max-queue waiting requests, 429 with Retry-After.
 
+    Several models: each --model, and any model `macinfer ls` lists, is loaded on
+    the first request naming it ("model"); GET /v1/models lists them all, each
+    with "loaded". The default model stays loaded; beyond --max-loaded-models
+    others (or --models-memory), the least recently used one is unloaded once its
+    requests have finished. /metrics then labels each series with model="...".
+
     \b
     Examples:
       macinfer serve                                    # embedded SmolLM2-135M on 127.0.0.1:8000
       macinfer serve ./my-mlx-model --port 8080 --api-key secret
+      macinfer serve --model smollm2-135m --model ./my-mlx-model --max-loaded-models 2
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
       mlx.launch --hostfile hosts.json --backend ring -- macinfer serve MODEL   # across Macs: rank 0 serves
@@ -58,18 +77,46 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     check_api_key(api_key)  # before the model loads
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **engine_options(kv_memory, max_num_seqs))
-    engine = getattr(llm, "engine", None)
-    if hasattr(engine, "describe"):
-        click.echo(engine.describe(), err=True)
+    specs = ([model] if model else []) + list(models)
+    others = _named(specs[1:])  # a typo is found now, not at the first request naming it
+    options = engine_options(kv_memory, max_num_seqs)
+    llm = LLM(specs[0] if specs else None, dequantize=dequantize, engine=engine, parallel=parallel, **options)
+    if hasattr(llm.engine, "describe"):
+        click.echo(llm.engine.describe(), err=True)
     import uvicorn
 
+    pool = _pool_options(llm, others, local_models, max_loaded_models, models_memory,
+                         lambda spec: LLM(spec, dequantize=dequantize, engine=engine, **options), kv_memory)
+    pool.lease_what = f"macinfer serve on port {port}"  # `macinfer rm` refuses a loaded model
     limits = {"max_queue": max_queue} if max_queue is not None else {}
     app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
-                     **limits)
+                     models=pool, **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
-    if llm.info.path is not None:  # `macinfer rm` refuses it while this server runs
-        from macinfer.modelio.leases import take
-
-        take(llm.info.path, f"macinfer serve on port {port}")
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _named(specs: list[str]) -> dict[str, str]:
+    """{the name `macinfer ls` gives it: spec} of each model (a catalog name, repo id, directory name)."""
+    from macinfer.modelio.registry import find_model
+
+    named = {}
+    for spec in specs:
+        name = find_model(spec).name
+        if name in named and named[name] != spec:
+            raise MacinferError(f"two models are named '{name}' ({named[name]}, {spec}): serve one of them")
+        named[name] = spec
+    return named
+
+
+def _pool_options(llm, others: dict[str, str], local_models: bool, max_loaded: int, memory: str | None, load, kv_memory):
+    """The models besides `llm` this server serves (none across ranks: every rank runs one model's forwards)."""
+    from macinfer.serve.model_pool import PoolOptions, estimate_bytes, local_models as listed
+    from macinfer.units import parse_bytes
+
+    if getattr(llm, "ranks", None) is not None:
+        if others:
+            raise MacinferError("across ranks (mlx.launch) a server serves one model: leave out --model")
+        return PoolOptions()
+    return PoolOptions(others=others, load=load, discover=listed if local_models else None, max_loaded=max_loaded,
+                       memory=parse_bytes(memory, "--models-memory") if memory else None,
+                       estimate=lambda spec: estimate_bytes(spec, kv_memory))

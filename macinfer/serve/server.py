@@ -4,8 +4,9 @@ Routes: POST /v1/chat/completions and /v1/completions (server-sent events when
 `stream` is true), GET /v1/models, /health and /metrics (Prometheus text).
 
 Design choices:
-- Every request goes through one AsyncEngine, so concurrent clients share the
-  engine's batched steps; a client that disconnects aborts its request.
+- Every request goes through its model's AsyncEngine, so concurrent clients of a model share
+  the engine's batched steps; a client that disconnects aborts its request. Which models are
+  loaded (the default, others on demand, under a budget) is macinfer.serve.model_pool's.
 - Input is checked before anything is queued (schema, parameters, prompt length),
   so every bad request gets a 4xx with OpenAI's error body and the first streamed
   byte is only sent once the engine has accepted the request.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -43,6 +45,7 @@ from macinfer.serve.choices import Choice
 from macinfer.errors import MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
+from macinfer.serve.model_pool import ModelPool, PoolOptions, ServedModel
 from macinfer.serve.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -60,26 +63,29 @@ log = logging.getLogger("macinfer.serve.server")
 
 # -- the app ------------------------------------------------------------------------------
 class Server:
-    """Turns validated OpenAI requests into engine requests and responses."""
+    """Turns validated OpenAI requests into engine requests and responses, each on its model's engine."""
 
-    def __init__(self, llm, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_queue: int,
-                 lenient: bool = False):
-        self.llm, self.engine, self.model_name, self.metrics = llm, engine, model_name, metrics
+    def __init__(self, pool: ModelPool, metrics: ServerMetrics, max_queue: int, lenient: bool = False):
+        self.pool, self.metrics = pool, metrics
         self.lenient = lenient  # accept and ignore unknown request fields
         self.created = int(time.time())
         self.max_queue = max_queue
-        self.max_num_seqs = engine.engine.config.max_num_seqs
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The default model's engine loop."""
+        return self.pool.default.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.pool.default.name
 
     # -- request -> (prompt ids, params) ------------------------------------------------
-    def _check_model(self, req: RequestBase) -> None:
-        if req.model is not None and req.model not in (self.model_name, str(self.llm.info.path)):
-            raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{self.model_name}'",
-                           "model", "model_not_found")
-
-    def _params(self, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool) -> SamplingParams:
-        ctx = self.llm.info.context_length
+    @staticmethod
+    def _params(m: ServedModel, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool) -> SamplingParams:
+        ctx = m.llm.info.context_length
         if num_prompt >= ctx:
-            raise APIError(400, f"the prompt is {num_prompt} tokens but {self.model_name} holds at most {ctx}: "
+            raise APIError(400, f"the prompt is {num_prompt} tokens but {m.name} holds at most {ctx}: "
                                 "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
         try:
             return SamplingParams(
@@ -95,7 +101,8 @@ class Server:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    @staticmethod
+    def chat_prompt(llm, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
         messages = []
@@ -106,28 +113,29 @@ class Server:
         if any(m.get("tool_calls") for m in messages):
             messages = template_messages(messages)
         try:
-            return self.llm.apply_chat_template(messages, tools=tools)
+            return llm.apply_chat_template(messages, tools=tools)
         except MacinferError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # jinja's TemplateError, raise_exception() in templates
             raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    @staticmethod
+    def completion_prompt(llm, req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise APIError(400, "send one prompt per request (got a batch of prompts)", "prompt")
             p = p[0]
-        if isinstance(p, list) and any(not (0 <= t < (self.llm.info.config.get("vocab_size") or 2**31)) for t in p):
+        if isinstance(p, list) and any(not (0 <= t < (llm.info.config.get("vocab_size") or 2**31)) for t in p):
             raise APIError(400, "prompt token ids must be in the model's vocabulary", "prompt")
         try:
-            return self.llm.encode(p)
+            return llm.encode(p)
         except MacinferError as e:
             raise APIError(400, str(e), "prompt") from None
 
-    def _check_queue(self) -> None:
+    def _check_queue(self, engine: AsyncEngine) -> None:
         """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
-        waiting = self.engine.num_active - self.max_num_seqs
+        waiting = engine.num_active - engine.engine.config.max_num_seqs
         if waiting >= self.max_queue:
             raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
                                 "--max-queue): retry later", None, "queue_full", "server_error",
@@ -141,32 +149,47 @@ class Server:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
 
-    def _start(self, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
+    @staticmethod
+    def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
         """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
         seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
         streams = []
         for i in range(n):
             p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
                                                           (params.seed + i) % 2**64)
-            streams.append(self.engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
+            streams.append(engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
                                                 fork_of=rid if i else None))
         return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
-        self._check_model(req)
+        """The response to one request, on the model it names (loaded first if need be).
+
+        NOTE: the model is held until the response is built; a streamed response keeps it busy
+        through its engine streams (ModelPool never unloads a model with a stream open).
+        """
+        await self.pool.lookup(req.model)  # 404 before anything else, and before any load
         check_known(req, self.lenient)
         check_supported(req)
-        tools = request_tools(req.tools, req.tool_choice, self.llm.tokenizer) if chat else None
+        m = await self.pool.acquire(req.model)
+        try:
+            return await self._respond(m, req, http, chat)
+        finally:
+            self.pool.release(m)
+
+    async def _respond(self, m: ServedModel, req: RequestBase, http: Request, chat: bool) -> Any:
+        llm = m.llm
+        tools = request_tools(req.tools, req.tool_choice, llm.tokenizer) if chat else None
         # NOTE: tokenising (and the chat template) runs on a worker thread: a long prompt must not
         # stall the event loop, which serves /health and every other client's stream.
-        ids = await (asyncio.to_thread(self.chat_prompt, req, tools) if chat else asyncio.to_thread(self.completion_prompt, req))
+        ids = await (asyncio.to_thread(self.chat_prompt, llm, req, tools) if chat
+                     else asyncio.to_thread(self.completion_prompt, llm, req))
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), max_tokens, chat)
-        self._check_queue()
+        params = self._params(m, req, len(ids), max_tokens, chat)
+        self._check_queue(m.engine)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        choices = [Choice(i, chat, self.llm.tokenizer, params.logprobs is not None, req.return_token_ids,
+        choices = [Choice(i, chat, llm.tokenizer, params.logprobs is not None, req.return_token_ids,
                           tools, req.stream) for i in range(req.n)]
-        streams = self._start(ids, params, rid, req.n)
+        streams = self._start(m.engine, ids, params, rid, req.n)
         try:
             # Wait for the engine to accept them (and for a first token) before committing to a 200.
             firsts = [await _next_or_disconnect(s, http) for s in streams]
@@ -182,7 +205,7 @@ class Server:
         kind = "chat.completion" if chat else "text_completion"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(_merged(firsts, streams), streams, choices, rid, kind, include_usage)
+            body = self._sse(m.name, _merged(firsts, streams), streams, choices, rid, kind, include_usage)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         for choice, first, stream in zip(choices, firsts, streams):
@@ -196,17 +219,17 @@ class Server:
                 choice.add(d)
         outs = [c.output for c in choices]
         for out in outs:
-            self.metrics.observe_request(out, "chat" if chat else "completions")
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+            self.metrics.observe_request(out, "chat" if chat else "completions", m.name)
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": m.name,
                 "choices": [c.final() for c in choices], "usage": self._usage(outs)}
 
-    async def _sse(self, deltas, streams, choices, rid, kind, include_usage) -> AsyncIterator[str]:
+    async def _sse(self, model: str, deltas, streams, choices, rid, kind, include_usage) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion"
         obj = kind + ".chunk" if chat else kind
 
         def chunk(choice_objs: list[dict], usage: dict | None = None) -> str:
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_objs}
+            c = {"id": rid, "object": obj, "created": created, "model": model, "choices": choice_objs}
             if include_usage:
                 c["usage"] = usage
             return f"data: {json.dumps(c)}\n\n"
@@ -224,7 +247,7 @@ class Server:
                 yield chunk([], self._usage(outs))
             yield "data: [DONE]\n\n"
             for out in outs:
-                self.metrics.observe_request(out, "chat" if chat else "completions")
+                self.metrics.observe_request(out, "chat" if chat else "completions", model)
         finally:
             await deltas.aclose()
             await _close(streams)  # aborts the requests still running (client left)
@@ -336,13 +359,16 @@ def check_api_key(api_key: str | None) -> None:
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
-               lenient: bool = False) -> FastAPI:
-    """Build the FastAPI app serving `llm` (a macinfer.LLM).
+               lenient: bool = False, models: PoolOptions | None = None) -> FastAPI:
+    """Build the FastAPI app serving `llm` (a macinfer.LLM), and with `models` others.
 
     Args:
         api_key: if set, every request must send `Authorization: Bearer <api_key>`.
-        model_name: the name clients pass as `model` (default: the model's name).
+        model_name: the name clients pass as `model` (default: the model's name); requests
+            without a model get this one.
         engine: the engine to drive; default: the LLM's continuous-batching engine.
+        models: further models, loaded on the first request naming them, and the budget they
+            are loaded under (macinfer.serve.model_pool); None: `llm` alone.
         max_body_bytes: larger request bodies get a 413 (with or without a Content-Length).
         max_queue: requests waiting beyond the engine's max_num_seqs at most; more get a 429.
         lenient: accept and ignore unknown request fields (default: a 400 naming the field).
@@ -353,18 +379,24 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     """
     check_api_key(api_key)
     model_name = model_name or llm.info.name
-    metrics = ServerMetrics()
+    several = models is not None and (any(n != model_name for n in models.others) or models.discover is not None)
+    metrics = ServerMetrics(model_label=several)
     ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
-    aengine = AsyncEngine(engine or llm.engine, on_step=metrics.observe_step,
+    aengine = AsyncEngine(engine or llm.engine, on_step=functools.partial(metrics.observe_step, model=model_name),
                           on_idle=ranks.heartbeat if ranks is not None else None)
-    metrics.attach(aengine)
-    server = Server(llm, aengine, model_name, metrics, max_queue=max_queue, lenient=lenient)
+
+    def start_engine(name: str, other) -> AsyncEngine:
+        return AsyncEngine(other.engine, on_step=functools.partial(metrics.observe_step, model=name)).start()
+
+    pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
+    metrics.attach_pool(pool)
+    server = Server(pool, metrics, max_queue=max_queue, lenient=lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        aengine.start()
+        pool.start()
         yield
-        aengine.shutdown()
+        pool.shutdown()
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -467,15 +499,15 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "macinfer",
-                "max_model_len": server.llm.info.context_length}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [m.card(server.created) for m in await server.pool.listing()]}
 
     @app.get("/health")
     async def health():
         if not server.engine.is_running:
             return JSONResponse({"status": "error", "error": str(server.engine.error)}, status_code=503)
-        return {"status": "ok", "model": server.model_name, "running_requests": server.engine.num_active}
+        loaded = server.pool.loaded()
+        body = {"status": "ok", "model": server.model_name, "running_requests": sum(m.engine.num_active for m in loaded)}
+        return body | ({"loaded_models": [m.name for m in loaded]} if server.pool.several else {})
 
     @app.get("/metrics")
     async def prometheus():
