@@ -31,7 +31,7 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, kv_memory, max_num_seqs, dequantize,
-              lenient, log_level, engine, parallel):
+              lenient, log_level, engine, parallel, micro_batches):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -58,7 +58,8 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     check_api_key(api_key)  # before the model loads
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **engine_options(kv_memory, max_num_seqs))
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, micro_batches=micro_batches,
+              **engine_options(kv_memory, max_num_seqs))
     engine = getattr(llm, "engine", None)
     if hasattr(engine, "describe"):
         click.echo(engine.describe(), err=True)

@@ -105,6 +105,11 @@ class _EngineCollector:
             for rank, value in enumerate(stats["rank_memory_bytes"]):
                 memory.add_metric([str(rank)], value)
             yield memory
+            comm = GaugeMetricFamily("macinfer_rank_comm_seconds", "Seconds one forward's collectives take on each "
+                                     "rank, replayed alone (the last replay; at most one a second)", labels=["rank"])
+            for rank, value in enumerate(stats.get("rank_comm_seconds", [])):
+                comm.add_metric([str(rank)], value)
+            yield comm
         yield CounterMetricFamily("macinfer_requests_aborted", "Requests aborted (client disconnected)",
                                   value=aengine.num_aborted)
         m = self.metrics
