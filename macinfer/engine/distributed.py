@@ -93,6 +93,7 @@ class Ranks:
         self.collectives: list[tuple] = []  # those of the last forward this rank built (collectives.Recorder)
         self.comm: list[float] = []  # each rank's last replay of a forward's collectives (seconds)
         self._replay_due = False  # the last plan asked for its forward's collectives to be replayed
+        self.replay_every = REPLAY_EVERY  # rank 0: seconds between replays (the first forward is always replayed)
         self._last_replay = -float("inf")  # rank 0: when it last asked
         self._replayed = 0.0  # this rank's last replay (seconds)
         self._deadline: float | None = None  # set while a watched collective runs
@@ -160,9 +161,9 @@ class Ranks:
         return min(n_rows, self.micro_batches or self.size) if self.parallel == "pipeline" else 1
 
     def _ask_replay(self) -> bool:
-        """Rank 0: whether this forward's collectives are replayed (the first, then at most once a REPLAY_EVERY)."""
+        """Rank 0: whether this forward's collectives are replayed (the first, then one per replay_every seconds)."""
         now = time.monotonic()
-        if now - self._last_replay < REPLAY_EVERY:
+        if now - self._last_replay < self.replay_every:
             return False
         self._last_replay = now
         return True
