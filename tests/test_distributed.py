@@ -298,3 +298,23 @@ def test_the_watchdog_ends_a_rank_stuck_in_a_collective_with_one_line():
     assert res.returncode == 1
     assert res.stderr.strip() == ("error: rank 1 of 2 (tensor parallel): rank 0 stopped sending plans "
                                   "(nothing for 0.5 s; MACINFER_DIST_TIMEOUT sets the limit); stopping")
+
+
+def test_the_recorder_notes_each_collective_and_replay_runs_them_again():
+    """In one process (a group of 1): calls recorded in order with their shapes, the all_gather's input kept,
+    mx.distributed restored; the replay runs them."""
+    import mlx.core as mx
+
+    from macinfer.engine.collectives import Recorder, micro_batch_bounds, replay
+
+    group, all_sum = mx.distributed.init(), mx.distributed.all_sum
+    recorder = Recorder()
+    with recorder.recording():
+        h = mx.distributed.all_sum(mx.ones((2, 3)), group=group) * 2
+        out = mx.distributed.all_gather(h, group=group)[:2]
+    assert [(op, shape, dtype, peer) for op, shape, dtype, peer in recorder.calls] == [
+        ("all_sum", (2, 3), mx.float32, None), ("all_gather", (2, 3), mx.float32, None)]
+    assert len(recorder.gathered) == 1 and recorder.gathered[0] is h and mx.distributed.all_sum is all_sum
+    assert out.tolist() == [[2.0] * 3] * 2
+    assert replay(recorder.calls, group) > 0
+    assert micro_batch_bounds(5, 2) == [(0, 3), (3, 5)] and micro_batch_bounds(1, 2) == [(0, 1)]
