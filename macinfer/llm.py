@@ -39,7 +39,7 @@ class LLM:
             "pipeline" or "auto" (tensor where mlx-lm can, else pipeline); None, or a single rank,
             runs in this process alone.
         micro_batches: with parallel="pipeline", micro-batches per forward, so that the stages
-            overlap (None: one per rank; 1: none).
+            overlap (None: one per rank for forwards of 32 tokens a rank or more; 1: none).
 
     Example:
         >>> llm = LLM()

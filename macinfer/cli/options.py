@@ -97,7 +97,7 @@ _parallel = click.option(
 _micro_batches = click.option(
     "--micro-batches", type=click.IntRange(1), metavar="N",
     help="With --parallel pipeline: split each forward's rows into N micro-batches so the ranks' stages overlap "
-         "(default: one per rank; 1: none).")
+         "(default: one per rank when each gets 32 tokens or more, as in a batched prefill; 1: none).")
 
 
 def parallel_option(f):

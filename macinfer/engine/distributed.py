@@ -26,7 +26,9 @@ A plan on the wire (int32; the other ranks send zeros where only rank 0's values
     payload              all_sum; per row: [start, num_tokens, table_len, *tokens, *block_table]
 
 Pipeline micro-batches (macinfer.engine.collectives.run_micro_batches): rank 0 splits a forward's rows
-into micro-batches (by default one per rank), so that the stages overlap; the plan says how many.
+into micro-batches, so that the stages overlap; the plan says how many. By default one per rank when
+each gets MICRO_BATCH_TOKENS tokens: a forward of fewer (a decode step of a small batch) is bound by
+reading the weights, which each micro-batch would do again.
 
 Communication time: every rank records the collectives of the forward it builds (their ops and shapes).
 At most once a second rank 0 asks, in a plan, for that forward's collectives to be replayed alone on
@@ -62,6 +64,7 @@ from macinfer.errors import MacinferError
 
 FORWARD, HEARTBEAT, STOP = 1, 2, 3
 PARALLEL = ("auto", "tensor", "pipeline")
+MICRO_BATCH_TOKENS = 32  # tokens per micro-batch at least, unless --micro-batches says (a threshold, not a fit)
 REPLAY_EVERY = 1.0  # seconds between replays of a forward's collectives (each costs about its communication)
 
 
@@ -134,7 +137,8 @@ class Ranks:
         mx.eval(y)
         return y.tolist()
 
-    def _exchange(self, kind: int, payload: list[int] | None, n_rows: int = 0) -> tuple[int, int, list[int]]:
+    def _exchange(self, kind: int, payload: list[int] | None, n_rows: int = 0,
+                  split: int = 1) -> tuple[int, int, list[int]]:
         """One plan: the header (all_gather: rank 0's fields, and every rank's memory and last replay), then the
         payload. A replay the last plan asked for runs first, on every rank, so its collectives pair up."""
         if self._replay_due:
@@ -143,7 +147,7 @@ class Ranks:
         mine = [0] * 6
         if self.is_leader:
             mine = [kind, n_rows, len(payload or []), int(self.timeout) if self.heartbeats else 0,
-                    self._plan_split(n_rows) if kind == FORWARD else 1, kind == FORWARD and self._ask_replay()]
+                    split, kind == FORWARD and self._ask_replay()]
         mine += [mx.get_active_memory() >> 10, round(self._replayed * 1e6)]
         header = mx.distributed.all_gather(mx.array(mine, dtype=mx.int32), group=self.group, stream=mx.cpu)
         mx.eval(header)
@@ -156,9 +160,15 @@ class Ranks:
         self.num_plans += 1
         return kind, n_rows, body
 
-    def _plan_split(self, n_rows: int) -> int:
-        """Rank 0: micro-batches for a forward of n_rows (pipelined only; one per rank by default)."""
-        return min(n_rows, self.micro_batches or self.size) if self.parallel == "pipeline" else 1
+    def _plan_split(self, tokens: list[list[int]]) -> int:
+        """Rank 0: micro-batches for a pipelined forward of these rows: as asked, else one per rank
+        if each gets MICRO_BATCH_TOKENS tokens (fewer: the stages are bound by reading their weights,
+        which each micro-batch does again, so splitting would only add passes)."""
+        if self.parallel != "pipeline":
+            return 1
+        if self.micro_batches:
+            return min(len(tokens), self.micro_batches)
+        return min(len(tokens), self.size, sum(map(len, tokens)) // MICRO_BATCH_TOKENS) or 1
 
     def _ask_replay(self) -> bool:
         """Rank 0: whether this forward's collectives are replayed (the first, then one per replay_every seconds)."""
@@ -174,7 +184,7 @@ class Ranks:
         for table, start, ids in zip(tables, starts, tokens):
             payload += [start, len(ids), len(table), *ids, *table]
         with self.watch("another rank stopped answering while a forward was sent"):
-            self._exchange(FORWARD, payload, len(tables))
+            self._exchange(FORWARD, payload, len(tables), self._plan_split(tokens))
 
     def recv_plan(self) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
         """Follower: the next forward's (tables, starts, tokens), after any heartbeats; None at STOP."""

@@ -6,10 +6,12 @@ random-weight qwen2 model (float32 + OpenBLAS on a CPU host; ~70M parameters by 
   1. in one process (the baseline; async scheduling off, as it is across ranks),
   2. under `mlx.launch -n 2 --backend ring` with --parallel tensor,
   3. the same with --parallel pipeline, each forward whole (--micro-batches 1),
-  4. the same with --parallel pipeline in 2 micro-batches (the default: one per rank),
+  4. the same with the default micro-batches (one per rank when each gets 32 tokens: the prefill
+     steps' two rows split, the decode steps' --batch rows of one token not),
+  5. the same with every forward of several rows in 2 micro-batches (--micro-batches 2),
 
-and each prints the median time of a prefill step (one chunk of --chunk tokens) and of a decode
-step at --batch rows, the host time rank 0 spends sending each forward's plan, and the time of a
+and each prints the median time of a prefill step (two requests' prompts of --chunk tokens) and
+of a decode step at --batch rows, the host time rank 0 spends sending each forward's plan, and the time of a
 decode forward's collectives as the engine measures them at run time (each rank replays the
 collectives it recorded while building the forward, alone: macinfer.engine.collectives; the
 slower rank's figure). The summary gives every figure as a ratio to the baseline.
@@ -51,7 +53,7 @@ def worker(args) -> None:
     group = mx.distributed.init()
     llm = LLM(args.model, parallel=args.parallel, micro_batches=args.micro_batches, engine="paged",
               max_num_seqs=args.batch, kv_memory="256MB", enable_prefix_cache=False, async_scheduling=False,
-              max_num_batched_tokens=args.chunk)
+              max_num_batched_tokens=2 * args.chunk)
     engine, ranks = llm.engine, llm.ranks
     if ranks:
         ranks.replay_every = float("inf")  # no replays while steps are timed (but the first forward's)
@@ -74,7 +76,7 @@ def worker(args) -> None:
             ranks.replay_every = 0.0
             comm.append(max(ranks.stats()["rank_comm_seconds"]))
     print(json.dumps({"ranks": group.size(), "parallel": ranks.parallel if ranks else "-",
-                      "micro_batches": args.micro_batches or (group.size() if ranks and ranks.parallel == "pipeline" else 1),
+                      "micro_batches": args.micro_batches or ("auto" if ranks and ranks.parallel == "pipeline" else 1),
                       "prefill_s": statistics.median(prefill), "decode_s": statistics.median(decode),
                       "plan_s": statistics.median(plan), "collectives_s": statistics.median(comm[2:]) if comm else 0.0,
                       "decode_steps": len(decode)}), flush=True)
@@ -119,10 +121,11 @@ def main() -> None:
         args.model = str(build_tiny_model(Path(tmp) / "m", "qwen2", hidden_size=args.hidden,
                                           num_layers=args.layers, heads=16, kv_heads=8))
         base = run(args, 1, None)
-        rows = [base, run(args, 2, "tensor"), run(args, 2, "pipeline", 1), run(args, 2, "pipeline")]
+        rows = [base, run(args, 2, "tensor"), run(args, 2, "pipeline", 1), run(args, 2, "pipeline"),
+                run(args, 2, "pipeline", 2)]
     print(f"float32 + OpenBLAS on this CPU (mlx {mx.__version__}, ring backend over localhost); "
           f"qwen2 hidden {args.hidden}, {args.layers} layers; decode at {args.batch} rows, prefill "
-          f"{args.batch} x {args.chunk} tokens in chunks of {args.chunk}")
+          f"{args.batch} x {args.chunk} tokens, two prompts a step")
     print(f"{'ranks':>5} {'split':>8} {'micro':>5} {'prefill step':>13} {'decode step':>12} {'plan send':>10} "
           f"{'collectives':>11}   (ratios: step time / 1 rank; plan and collectives / that run's decode step)")
     for r in rows:
