@@ -318,3 +318,19 @@ def test_the_recorder_notes_each_collective_and_replay_runs_them_again():
     assert out.tolist() == [[2.0] * 3] * 2
     assert replay(recorder.calls, group) > 0
     assert micro_batch_bounds(5, 2) == [(0, 3), (3, 5)] and micro_batch_bounds(1, 2) == [(0, 1)]
+
+
+def test_pipelined_forwards_split_into_micro_batches_when_each_gets_32_tokens_or_as_asked():
+    from macinfer.engine.distributed import Ranks
+
+    class Group(_Group):
+        def rank(self):
+            return 0
+
+    auto, three = Ranks(Group(2), "pipeline"), Ranks(Group(2), "pipeline", micro_batches=3)
+    decode, prefill, one = [[5]] * 8, [[5] * 40, [5] * 24], [[5] * 100]
+    assert [auto._plan_split(t) for t in (decode, prefill, one)] == [1, 2, 1]
+    assert [three._plan_split(t) for t in (decode, prefill, one)] == [3, 2, 1]
+    assert Ranks(Group(2), "tensor", micro_batches=2)._plan_split(prefill) == 1
+    with pytest.raises(MacinferError, match="--micro-batches must be at least 1, got 0"):
+        Ranks(Group(2), "pipeline", micro_batches=0)
