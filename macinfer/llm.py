@@ -38,6 +38,8 @@ class LLM:
         parallel: under mlx.launch with several ranks, how the model is split: "tensor",
             "pipeline" or "auto" (tensor where mlx-lm can, else pipeline); None, or a single rank,
             runs in this process alone.
+        micro_batches: with parallel="pipeline", micro-batches per forward, so that the stages
+            overlap (None: one per rank for forwards of 32 tokens a rank or more; 1: none).
 
     Example:
         >>> llm = LLM()
@@ -45,13 +47,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dequantize: bool | None = None, engine: str = "auto",
-                 parallel: str | None = None, **engine_options):
+                 parallel: str | None = None, micro_batches: int | None = None, **engine_options):
         from macinfer.engine import distributed
         from macinfer.modelio.loader import load_model
 
         if engine not in ENGINES:
             raise MacinferError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        self.ranks = distributed.join(parallel) if parallel is not None else None
+        self.ranks = distributed.join(parallel, micro_batches=micro_batches) if parallel is not None else None
         if self.ranks is not None and engine == "mlx-lm":
             raise MacinferError("the mlx-lm engine cannot run across ranks: use the paged engine")
         self.model, self.tokenizer, self.info = load_model(

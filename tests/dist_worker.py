@@ -4,7 +4,8 @@
 
 Every rank constructs the same LLM; rank 0 drives the staggered workload of
 test_distributed.workload() and writes {request id: token ids, "preemptions": n, "forwards": plans sent}
-to OUT.json.
+to OUT.json, with the forwards rank 0 built (pipelined: more than its plans, the micro-batches) and whether
+every rank reported its memory and a replay of a forward's collectives.
 OPTIONS: engine options on top of test_distributed.ENGINE. DIE_AFTER: rank 1 kills itself (SIGKILL) after that many forwards, mid-generation.
 """
 
@@ -23,8 +24,13 @@ from test_distributed import ENGINE, workload
 
 
 def main(model: str, out: str, parallel: str, options: dict, die_after: int | None = None) -> None:
+    from macinfer.core.model_runner import ModelRunner
     from macinfer.engine import distributed
     from macinfer.llm import LLM
+
+    built = []
+    run_forward = ModelRunner.run_forward
+    ModelRunner.run_forward = lambda self, *a, **k: built.append(len(a[0])) or run_forward(self, *a, **k)
 
     if die_after is not None:
         follow = distributed.follow
@@ -49,6 +55,9 @@ def main(model: str, out: str, parallel: str, options: dict, die_after: int | No
     stats = llm.engine.kv_stats()
     result["forwards"] = stats["plans"]  # one plan per forward (no heartbeats: not serving)
     result["ranks_report_memory"] = len(stats["rank_memory_bytes"]) == 2 and min(stats["rank_memory_bytes"]) > 0
+    result["ranks_report_comm"] = len(stats["rank_comm_seconds"]) == 2 and min(stats["rank_comm_seconds"]) > 0
+    result["built"] = built  # rows of each forward rank 0 built
+    result["collectives"] = [op for op, *_ in llm.ranks.collectives]  # those of rank 0's last forward
     Path(out).write_text(json.dumps(result))
     llm.close()
 

@@ -90,28 +90,41 @@ def _single_process(model: Path, options: dict) -> dict:
     llm = LLM(str(model), engine="paged", async_scheduling=False, **ENGINE, **options)  # off across ranks: same schedule
     runner, forwards = llm.engine.runner, []
     run = runner.run_forward
-    runner.run_forward = lambda *a, **k: forwards.append(1) or run(*a, **k)
+    runner.run_forward = lambda *a, **k: forwards.append(len(a[0])) or run(*a, **k)
     outputs = driver.run(llm.engine, workload())
     assert outputs["r7"].metrics.cached_tokens > 0
     return {rid: o.token_ids for rid, o in outputs.items()} | {"preemptions": llm.engine.scheduler.num_preemptions,
-                                                                "forwards": len(forwards)}
+                                                                "forwards": len(forwards), "rows": forwards}
 
 
 @pytest.mark.parametrize("arch,layers,parallel,options", [
     ("llama", 2, "tensor", {"kv_bits": 8}),  # hidden 128: head_dim 32, a KV quantisation group
-    ("qwen2", 3, "pipeline", {}),  # 2 + 1 layers
+    ("qwen2", 3, "pipeline", {"micro_batches": 2}),  # 2 + 1 layers
 ])
 def test_two_ranks_match_one_process(tiny_models, tmp_path, arch, layers, parallel, options):
     """Staggered greedy batch with preemption and a prefix-cache hit: 2 ranks == 1 process, token for
-    token, with the same schedule (preemptions) and one plan sent per forward."""
-    model = tiny_models(arch, num_layers=layers, **({"hidden_size": 128} if options else {}))
+    token, with the same schedule (preemptions) and one plan sent per forward; pipelined, each forward
+    of several rows ran as 2 micro-batches. Both ranks report a replay of their collectives."""
+    model = tiny_models(arch, num_layers=layers, **({"hidden_size": 128} if parallel == "tensor" else {}))
     res = _launch(model, tmp_path / "out.json", parallel, options)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert got.pop("ranks_report_memory")  # both ranks' active memory reached rank 0
-    want = _single_process(model, options)
+    assert got.pop("ranks_report_comm")
+    built, collectives = got.pop("built"), got.pop("collectives")
+    engine_options = {k: v for k, v in options.items() if k != "micro_batches"}
+    want = _single_process(model, engine_options)
+    rows = want.pop("rows")  # of each forward
     assert want["preemptions"] > 0
     assert got == want
+    if parallel == "pipeline":  # rows split 2 ways (the first half larger); a 1-row forward whole
+        assert max(rows) > 2
+        assert built == [part for n in rows for part in ([n - n // 2, n // 2] if n > 1 else [n])]
+        # rank 0 holds the last layers: per micro-batch, it receives the hidden states and all_gathers its own
+        assert collectives == ["recv", "all_gather"] * min(2, rows[-1])
+    else:
+        assert built == rows
+        assert collectives == ["all_sum"] * 2 * layers  # attention's output projection, the MLP's down projection
     assert "Traceback" not in res.stderr
 
 
@@ -196,6 +209,7 @@ def test_serve_under_two_ranks_answers_as_one_process(tiny_models, tmp_path, arc
     assert min(_metric(page, f'macinfer_rank_active_memory_bytes{{rank="{r}"}}') for r in (0, 1)) > 0
     assert _metric(page, "macinfer_distributed_plans_total") >= len(want.token_ids)  # a plan per forward
     assert _metric(page, "macinfer_distributed_plan_seconds_total") > 0
+    assert min(_metric(page, f'macinfer_rank_comm_seconds{{rank="{r}"}}') for r in (0, 1)) > 0  # each rank's replay
 
 
 class _Group:
@@ -242,7 +256,8 @@ def test_metrics_show_the_ranks_and_the_plan_time():
 
     class Engine:
         def kv_stats(self):
-            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25, "rank_memory_bytes": [3 << 20, 5 << 20]}
+            return {"ranks": 2, "plans": 7, "plan_seconds": 0.25, "rank_memory_bytes": [3 << 20, 5 << 20],
+                    "rank_comm_seconds": [0.002, 0.003]}
 
     class Loop:
         engine, num_active, peak_batch, num_aborted = Engine(), 0, 1, 0
@@ -252,7 +267,8 @@ def test_metrics_show_the_ranks_and_the_plan_time():
     page = metrics.render()[0].decode()
     for line in ("macinfer_ranks 2.0", "macinfer_distributed_plans_total 7.0", "macinfer_distributed_plan_seconds_total 0.25",
                  'macinfer_rank_active_memory_bytes{rank="0"} 3.145728e+06',
-                 'macinfer_rank_active_memory_bytes{rank="1"} 5.24288e+06'):
+                 'macinfer_rank_active_memory_bytes{rank="1"} 5.24288e+06',
+                 'macinfer_rank_comm_seconds{rank="0"} 0.002', 'macinfer_rank_comm_seconds{rank="1"} 0.003'):
         assert line in page.splitlines()
 
 
@@ -282,3 +298,39 @@ def test_the_watchdog_ends_a_rank_stuck_in_a_collective_with_one_line():
     assert res.returncode == 1
     assert res.stderr.strip() == ("error: rank 1 of 2 (tensor parallel): rank 0 stopped sending plans "
                                   "(nothing for 0.5 s; MACINFER_DIST_TIMEOUT sets the limit); stopping")
+
+
+def test_the_recorder_notes_each_collective_and_replay_runs_them_again():
+    """In one process (a group of 1): calls recorded in order with their shapes, the all_gather's input kept,
+    mx.distributed restored; the replay runs them."""
+    import mlx.core as mx
+
+    from macinfer.engine.collectives import Recorder, micro_batch_bounds, replay
+
+    group, all_sum = mx.distributed.init(), mx.distributed.all_sum
+    recorder = Recorder()
+    with recorder.recording():
+        h = mx.distributed.all_sum(mx.ones((2, 3)), group=group) * 2
+        out = mx.distributed.all_gather(h, group=group)[:2]
+    assert [(op, shape, dtype, peer) for op, shape, dtype, peer in recorder.calls] == [
+        ("all_sum", (2, 3), mx.float32, None), ("all_gather", (2, 3), mx.float32, None)]
+    assert len(recorder.gathered) == 1 and recorder.gathered[0] is h and mx.distributed.all_sum is all_sum
+    assert out.tolist() == [[2.0] * 3] * 2
+    assert replay(recorder.calls, group) > 0
+    assert micro_batch_bounds(5, 2) == [(0, 3), (3, 5)] and micro_batch_bounds(1, 2) == [(0, 1)]
+
+
+def test_pipelined_forwards_split_into_micro_batches_when_each_gets_32_tokens_or_as_asked():
+    from macinfer.engine.distributed import Ranks
+
+    class Group(_Group):
+        def rank(self):
+            return 0
+
+    auto, three = Ranks(Group(2), "pipeline"), Ranks(Group(2), "pipeline", micro_batches=3)
+    decode, prefill, one = [[5]] * 8, [[5] * 40, [5] * 24], [[5] * 100]
+    assert [auto._plan_split(t) for t in (decode, prefill, one)] == [1, 2, 1]
+    assert [three._plan_split(t) for t in (decode, prefill, one)] == [3, 2, 1]
+    assert Ranks(Group(2), "tensor", micro_batches=2)._plan_split(prefill) == 1
+    with pytest.raises(MacinferError, match="--micro-batches must be at least 1, got 0"):
+        Ranks(Group(2), "pipeline", micro_batches=0)

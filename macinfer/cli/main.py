@@ -135,7 +135,7 @@ def stats_line(s: dict) -> str:
 @parallel_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
             as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
-            parallel):
+            parallel, micro_batches):
     """Generate a reply to PROMPT and stream it to stdout.
 
     MODEL is a catalog name (default: smollm2-135m, embedded), a local MLX or
@@ -190,7 +190,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
     # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
     options["draft"] = None if no_draft else draft
-    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, **options)
+    llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, micro_batches=micro_batches, **options)
     info = llm.info
     if verbose:
         _print_details(llm)

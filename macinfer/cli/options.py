@@ -90,7 +90,16 @@ engine_option = click.option(
          "speculation or quantised KV); auto: paged, else mlx-lm for a model the paged engine cannot run.")
 
 
-parallel_option = click.option(
+_parallel = click.option(
     "--parallel", type=click.Choice(["auto", "tensor", "pipeline"]), default="auto", show_default=True,
     help="Started by mlx.launch on several ranks: split the model by tensor parallelism (its heads over the ranks) "
          "or pipeline parallelism (its layers); auto: tensor where mlx-lm can, else pipeline. Ignored in one process.")
+_micro_batches = click.option(
+    "--micro-batches", type=click.IntRange(1), metavar="N",
+    help="With --parallel pipeline: split each forward's rows into N micro-batches so the ranks' stages overlap "
+         "(default: one per rank when each gets 32 tokens or more, as in a batched prefill; 1: none).")
+
+
+def parallel_option(f):
+    """--parallel and --micro-batches (a command gets `parallel` and `micro_batches`)."""
+    return _parallel(_micro_batches(f))

@@ -43,7 +43,8 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
-              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, log_level, engine, parallel):
+              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, log_level, engine, parallel,
+              micro_batches):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -80,8 +81,9 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     specs = ([model] if model else []) + list(models)
     others = _named(specs[1:])  # a typo is found now, not at the first request naming it
     options = engine_options(kv_memory, max_num_seqs)
-    llm = LLM(specs[0] if specs else None, dequantize=dequantize, engine=engine, parallel=parallel, **options)
-    if hasattr(llm.engine, "describe"):
+    llm = LLM(specs[0] if specs else None, dequantize=dequantize, engine=engine, parallel=parallel,
+              micro_batches=micro_batches, **options)
+    if hasattr(getattr(llm, "engine", None), "describe"):
         click.echo(llm.engine.describe(), err=True)
     import uvicorn
 

@@ -20,9 +20,20 @@ enter together, in the same order, with the same shapes. So:
 
 A plan on the wire (int32; the other ranks send zeros where only rank 0's values count):
 
-    header   (ranks, 5)  all_gather of [kind, num_rows, payload_len, seconds until the next plan at the
-                         latest (0: no promise), this rank's active memory in KiB]: row 0's fields count
+    header   (ranks, 8)  all_gather of [kind, num_rows, payload_len, seconds until the next plan at the
+                         latest (0: no promise), micro-batches, replay this forward's collectives (0/1):
+                         rank 0's fields; this rank's active memory in KiB, its last replay in microseconds]
     payload              all_sum; per row: [start, num_tokens, table_len, *tokens, *block_table]
+
+Pipeline micro-batches (macinfer.engine.collectives.run_micro_batches): rank 0 splits a forward's rows
+into micro-batches, so that the stages overlap; the plan says how many. By default one per rank when
+each gets MICRO_BATCH_TOKENS tokens: a forward of fewer (a decode step of a small batch) is bound by
+reading the weights, which each micro-batch would do again.
+
+Communication time: every rank records the collectives of the forward it builds (their ops and shapes).
+At most once a second rank 0 asks, in a plan, for that forward's collectives to be replayed alone on
+every rank before the next exchange; each rank times its replay and reports it in the next header
+(`stats()["rank_comm_seconds"]`, /metrics).
 
 Off across ranks (one line on rank 0 when asked for): speculative decoding, async scheduling
 (the next plan needs this step's tokens on the host), the prefix cache's disk tier. Models with
@@ -48,10 +59,13 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from macinfer.core.model_runner import ModelRunner
+from macinfer.engine.collectives import Recorder, replay, run_micro_batches
 from macinfer.errors import MacinferError
 
 FORWARD, HEARTBEAT, STOP = 1, 2, 3
 PARALLEL = ("auto", "tensor", "pipeline")
+MICRO_BATCH_TOKENS = 32  # tokens per micro-batch at least, unless --micro-batches says (a threshold, not a fit)
+REPLAY_EVERY = 1.0  # seconds between replays of a forward's collectives (each costs about its communication)
 
 
 class Ranks:
@@ -61,11 +75,14 @@ class Ranks:
         group: an mx.distributed group of more than one rank.
         parallel: "tensor" or "pipeline" (how the model is split; "auto" until the loader chose).
         timeout: seconds a step or a promised plan may take (default MACINFER_DIST_TIMEOUT or 30).
+        micro_batches: micro-batches per pipelined forward (None: one per rank); rank 0's counts.
     """
 
-    def __init__(self, group, parallel: str, timeout: float | None = None):
+    def __init__(self, group, parallel: str, timeout: float | None = None, micro_batches: int | None = None):
         if parallel not in PARALLEL:
             raise MacinferError(f"--parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+        if micro_batches is not None and micro_batches < 1:
+            raise MacinferError(f"--micro-batches must be at least 1, got {micro_batches}")
         self.group, self.parallel = group, parallel
         self.rank, self.size = group.rank(), group.size()
         self.is_leader = self.rank == 0
@@ -74,6 +91,14 @@ class Ranks:
         self.comm_seconds = 0.0  # host time spent in plan exchanges
         self.memory: list[int] = []  # each rank's active memory (bytes) at the last plan
         self.num_plans = 0
+        self.micro_batches = micro_batches
+        self._split = 1  # micro-batches of the plan in hand (rank 0's choice)
+        self.collectives: list[tuple] = []  # those of the last forward this rank built (collectives.Recorder)
+        self.comm: list[float] = []  # each rank's last replay of a forward's collectives (seconds)
+        self._replay_due = False  # the last plan asked for its forward's collectives to be replayed
+        self.replay_every = REPLAY_EVERY  # rank 0: seconds between replays (the first forward is always replayed)
+        self._last_replay = -float("inf")  # rank 0: when it last asked
+        self._replayed = 0.0  # this rank's last replay (seconds)
         self._deadline: float | None = None  # set while a watched collective runs
         self._what = ""
         self._promise = 0  # follower: seconds the leader promised the next plan within (0: none)
@@ -87,7 +112,22 @@ class Ranks:
         """For kv_stats and /metrics: ranks, plans sent, host seconds in plan exchanges (waits included),
         each rank's active memory at the last plan."""
         return {"ranks": self.size, "plans": self.num_plans, "plan_seconds": self.comm_seconds,
-                "rank_memory_bytes": list(self.memory)}
+                "rank_memory_bytes": list(self.memory), "rank_comm_seconds": list(self.comm)}
+
+    # -- one forward -----------------------------------------------------------------------
+    def run_forward(self, run_forward, tables, starts, tokens, *rest) -> mx.array:
+        """ModelRunner.run_forward's forward on this rank, its collectives recorded (for the replay);
+        pipelined, in the micro-batches the plan says."""
+        recorder = Recorder()
+        with recorder.recording():
+            logits = run_micro_batches(run_forward, self._split, recorder, tables, starts, tokens, *rest)
+        self.collectives = recorder.calls
+        return logits
+
+    def _replay(self) -> None:
+        """The last forward's collectives, alone (the plan asked): every rank times its own."""
+        self._replay_due = False
+        self._replayed = replay(self.collectives, self.group)
 
     # -- the plan exchange -------------------------------------------------------------
     def _broadcast(self, values: list[int] | None, n: int) -> list[int]:
@@ -97,22 +137,46 @@ class Ranks:
         mx.eval(y)
         return y.tolist()
 
-    def _exchange(self, kind: int, payload: list[int] | None, n_rows: int = 0) -> tuple[int, int, list[int]]:
-        """One plan: the header (all_gather: rank 0's fields, and every rank's active memory), then the payload."""
+    def _exchange(self, kind: int, payload: list[int] | None, n_rows: int = 0,
+                  split: int = 1) -> tuple[int, int, list[int]]:
+        """One plan: the header (all_gather: rank 0's fields, and every rank's memory and last replay), then the
+        payload. A replay the last plan asked for runs first, on every rank, so its collectives pair up."""
+        if self._replay_due:
+            self._replay()
         t0 = time.perf_counter()
-        promise = int(self.timeout) if self.heartbeats else 0
-        mine = [kind, n_rows, len(payload or []), promise] if self.is_leader else [0, 0, 0, 0]
-        header = mx.distributed.all_gather(mx.array(mine + [mx.get_active_memory() >> 10], dtype=mx.int32),
-                                           group=self.group, stream=mx.cpu)
+        mine = [0] * 6
+        if self.is_leader:
+            mine = [kind, n_rows, len(payload or []), int(self.timeout) if self.heartbeats else 0,
+                    split, kind == FORWARD and self._ask_replay()]
+        mine += [mx.get_active_memory() >> 10, round(self._replayed * 1e6)]
+        header = mx.distributed.all_gather(mx.array(mine, dtype=mx.int32), group=self.group, stream=mx.cpu)
         mx.eval(header)
-        rows = header.reshape(self.size, 5).tolist()
-        kind, n_rows, size, promise = rows[0][:4]
-        self.memory = [r[4] << 10 for r in rows]  # KiB: int32 holds up to 2 TiB
+        rows = header.reshape(self.size, 8).tolist()
+        kind, n_rows, size, self._promise, self._split, self._replay_due = rows[0][:6]
+        self.memory = [r[6] << 10 for r in rows]  # KiB: int32 holds up to 2 TiB
+        self.comm = [r[7] / 1e6 for r in rows]
         body = self._broadcast(payload, size) if size else []
         self.comm_seconds += time.perf_counter() - t0
         self.num_plans += 1
-        self._promise = promise
         return kind, n_rows, body
+
+    def _plan_split(self, tokens: list[list[int]]) -> int:
+        """Rank 0: micro-batches for a pipelined forward of these rows: as asked, else one per rank
+        if each gets MICRO_BATCH_TOKENS tokens (fewer: the stages are bound by reading their weights,
+        which each micro-batch does again, so splitting would only add passes)."""
+        if self.parallel != "pipeline":
+            return 1
+        if self.micro_batches:
+            return min(len(tokens), self.micro_batches)
+        return min(len(tokens), self.size, sum(map(len, tokens)) // MICRO_BATCH_TOKENS) or 1
+
+    def _ask_replay(self) -> bool:
+        """Rank 0: whether this forward's collectives are replayed (the first, then one per replay_every seconds)."""
+        now = time.monotonic()
+        if now - self._last_replay < self.replay_every:
+            return False
+        self._last_replay = now
+        return True
 
     def send_plan(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]) -> None:
         """Leader: broadcast one forward's rows (run_forward's arguments)."""
@@ -120,7 +184,7 @@ class Ranks:
         for table, start, ids in zip(tables, starts, tokens):
             payload += [start, len(ids), len(table), *ids, *table]
         with self.watch("another rank stopped answering while a forward was sent"):
-            self._exchange(FORWARD, payload, len(tables))
+            self._exchange(FORWARD, payload, len(tables), self._plan_split(tokens))
 
     def recv_plan(self) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
         """Follower: the next forward's (tables, starts, tokens), after any heartbeats; None at STOP."""
@@ -200,7 +264,7 @@ def _decode_rows(body: list[int], n_rows: int):
     return tables, starts, tokens
 
 
-def join(parallel: str | None, backend: str = "any") -> Ranks | None:
+def join(parallel: str | None, backend: str = "any", micro_batches: int | None = None) -> Ranks | None:
     """This process's Ranks when it was started with more than one rank (mlx.launch), else None.
 
     parallel: "tensor", "pipeline" or "auto" (the loader chooses: macinfer.modelio.loader.shard_model).
@@ -210,7 +274,7 @@ def join(parallel: str | None, backend: str = "any") -> Ranks | None:
     group = mx.distributed.init(backend=backend)
     if group.size() == 1:
         return None
-    ranks = Ranks(group, parallel or "auto")
+    ranks = Ranks(group, parallel or "auto", micro_batches=micro_batches)
     if ranks.is_leader:
         atexit.register(ranks.stop)
     if threading.current_thread() is threading.main_thread():
@@ -245,7 +309,7 @@ class LeaderRunner(ModelRunner):
         # NOTE: the plan does not carry prompt_lens, which only a prompt window (plamo3) reads:
         # such a model across ranks would see other windows on the followers.
         self.ranks.send_plan(tables, starts, tokens)
-        logits = super().run_forward(tables, starts, tokens, seqs, all_logits, head, prompt_lens)
+        logits = self.ranks.run_forward(super().run_forward, tables, starts, tokens, seqs, all_logits, head, prompt_lens)
         self._with_forward.append(logits)  # the NOTE in the module docstring
         return logits
 
@@ -265,7 +329,7 @@ def follow(runner: ModelRunner, ranks: Ranks) -> int:
     n = 0
     while (plan := ranks.recv_plan()) is not None:
         with ranks.watch("another rank stopped answering during a forward"):
-            logits = runner.run_forward(*plan)
+            logits = ranks.run_forward(runner.run_forward, *plan)
             mx.eval(logits, [c.state for c in runner.caches])
         n += 1
     return n

@@ -156,6 +156,13 @@ class _EngineCollector:
                 memory.add_metric(labels(name, str(rank)), value)
         if memory.samples:
             yield memory
+        comm = GaugeMetricFamily("macinfer_rank_comm_seconds", "Seconds one forward's collectives take on each "
+                                 "rank, replayed alone (the last replay; at most one a second)", labels=["rank"] + model)
+        for name, _, stats in engines:
+            for rank, value in enumerate(stats.get("rank_comm_seconds", ())):
+                comm.add_metric(labels(name, str(rank)), value)
+        if comm.samples:
+            yield comm
         ratio = GaugeMetricFamily("macinfer_draft_acceptance_ratio", "Accepted / drafted tokens so far", labels=model)
         for name, _, _ in engines:
             ratio.add_metric(labels(name), m.acceptance_ratio(name))
