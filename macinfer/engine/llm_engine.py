@@ -85,21 +85,8 @@ class LLMEngine(PipelinedSteps):
         runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
         self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                              kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-        threaded = config.eval_thread
-        if threaded is None:  # and only for a lazy forward: the engine thread builds it beside the worker
-            threaded = ranks is None and threads_pay_off() and not forward_evaluates(model)
-        self.runner.evaluator = StepEvaluator(threaded and config.async_scheduling)
-        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self.state_pool = self.snapshots = None
-        if states:
-            self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot, release=self.runner.states.release)
-            self.runner.states.slot_of = self.state_pool.slot_of
-            if snapshots:
-                self.snapshots = StateSnapshots(self.snapshot_bytes, self.specs.bytes_per_slot)
-            self.scheduler = StateScheduler(sched_config, self.block_pool, self.state_pool, self.runner.states,
-                                            self.snapshots)
-        else:
-            self.scheduler = Scheduler(sched_config, self.block_pool)
+        self.runner.evaluator = _evaluator(config, ranks, model)
+        self.scheduler = self._make_scheduler(states, snapshots)
         from macinfer.kv.kernel_dispatch import select_attention
         from macinfer.kv.paged_attention import paged_attention
 
@@ -129,6 +116,19 @@ class LLMEngine(PipelinedSteps):
         self._last_resolve: float | None = None  # when the previous queued step was read back
         if config.verbose:
             print(self.describe(), file=sys.stderr)
+
+    def _make_scheduler(self, states, snapshots: bool) -> Scheduler:
+        """The scheduler; with state layers, their slot pool (and snapshots) beside the block pool."""
+        config = self.config
+        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        self.state_pool = self.snapshots = None
+        if not states:
+            return Scheduler(sched_config, self.block_pool)
+        self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot, release=self.runner.states.release)
+        self.runner.states.slot_of = self.state_pool.slot_of
+        if snapshots:
+            self.snapshots = StateSnapshots(self.snapshot_bytes, self.specs.bytes_per_slot)
+        return StateScheduler(sched_config, self.block_pool, self.state_pool, self.runner.states, self.snapshots)
 
     # -- capacity ---------------------------------------------------------------------
     @property
@@ -382,6 +382,15 @@ class LLMEngine(PipelinedSteps):
         self.requests.pop(seq.request_id, None)
         seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta
+
+
+def _evaluator(config: EngineConfig, ranks, model) -> StepEvaluator:
+    """Launched steps on a worker thread where async_eval cannot overlap them (macinfer.core.evaluator):
+    one process, MLX without Metal, and a lazy forward (the engine thread builds it beside the worker)."""
+    threaded = config.eval_thread
+    if threaded is None:
+        threaded = ranks is None and threads_pay_off() and not forward_evaluates(model)
+    return StepEvaluator(threaded and config.async_scheduling)
 
 
 def _logits_width(model, tokenizer) -> int:
