@@ -117,10 +117,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        pool = self.block_pool
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        return out
 
-        # 1. Running: decodes, then prefill chunks; preempt the newest on block shortage.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running: decodes, then prefill chunks; preempt the newest on block shortage. Returns the budget left."""
+        pool = self.block_pool
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + chunks:
@@ -137,24 +140,36 @@ class Scheduler:
             num_spec = min(len(seq.spec_token_ids), budget - n) if n == seq.num_uncomputed_tokens else 0
             if num_spec and not pool.allocate_slots(seq, n + num_spec):
                 num_spec = 0
-            while not pool.allocate_slots(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                # A victim may already have been scheduled this step (decodes go first).
-                for i, s in enumerate(out.scheduled):
-                    if s.seq is victim:
-                        budget += s.num_new_tokens
-                        del out.scheduled[i]
-                        break
-                if victim is seq:
-                    break
+            budget += self._make_room(seq, n, out)
             if seq.status is SequenceStatus.RUNNING:
                 del seq.spec_token_ids[num_spec:]
                 out.scheduled.append(ScheduledSequence(seq, n + num_spec, num_spec))
                 budget -= n + num_spec
+        return budget
 
-        # 2. Waiting, FCFS: stop at the first that does not fit (no overtaking).
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Allocate n slots for seq, preempting the newest running sequences (seq itself last) until they fit.
+
+        Returns:
+            The budget given back by victims already scheduled this step (decodes go first).
+        """
+        freed = 0
+        while not self.block_pool.allocate_slots(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            for i, s in enumerate(out.scheduled):
+                if s.seq is victim:
+                    freed += s.num_new_tokens
+                    del out.scheduled[i]
+                    break
+            if victim is seq:
+                break
+        return freed
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting, FCFS: stop at the first that does not fit (no overtaking), or after any preemption."""
+        pool = self.block_pool
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._fork_waits(seq):
@@ -181,7 +196,6 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
-        return out
 
     def _fork_tokens(self, seq: Sequence) -> int:
         """Prompt tokens a fork shares with its parent: the full blocks before the last prompt token."""
