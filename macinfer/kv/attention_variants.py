@@ -374,13 +374,14 @@ _VARIANTS = {
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
     "mlx_lm.models.bailing_hybrid": {"MultiLatentAttention": _LatentAttention},
     "mlx_lm.models.bailing_moe_v3": {"BailingMLA": _LatentAttention},
+    "mlx_lm.models.kimi_linear": {"KimiMLAAttention": _LatentAttention},
     "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
     "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
     "mlx_lm.models.llama4": {"LlamaModel": _Llama4Model, "Attention": _Llama4Attention},  # chunk masks
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
 _MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite",
-                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3")
+                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3", "mlx_lm.models.kimi_linear")
 _subclasses: dict[type, type] = {}
 
 
