@@ -106,6 +106,8 @@ ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_tex
 BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
 # The same beside KDA layers, but its MLA has no rope and masks its scores with a boolean array.
 KIMI_LINEAR = ARCH_CONFIGS["kimi_linear"]
+# Mamba layers beside attention that calls mx.fast's sdpa itself (not mlx-lm's wrapper).
+PLAMO2 = ARCH_CONFIGS["plamo2"]
 # Sliding and full layers, yarn rope and llama-4 query scaling from position 16 on.
 MINISTRAL3 = ARCH_CONFIGS["ministral3"]
 # Sliding layers whose mask is one token wider than their RotatingKVCache (paged_attention: prompt window).
@@ -117,7 +119,8 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
             "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
             "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
-            "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0)}
+            "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
+            "plamo2": (PLAMO2, 0.1, 1.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -195,7 +198,7 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
 
 @pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
                                                 ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
-                                                ("kimi_linear", 36, 36)])
+                                                ("kimi_linear", 36, 36), ("plamo2", 36, 36)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 

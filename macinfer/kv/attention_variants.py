@@ -152,6 +152,27 @@ class _Gemma2Attention:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class _Plamo2Attention:
+    """plamo2's Attention calls mx.fast's sdpa itself; on a paged cache it goes to paged attention."""
+
+    def __call__(self, hidden_states, mask=None, cache=None):
+        if not (isinstance(cache, PagedKVCache) or (_probing() and cache is not None)):
+            return super().__call__(hidden_states, mask, cache)
+        # mlx-lm's plamo2 Attention up to the sdpa call, unchanged.
+        B, T, _ = hidden_states.shape
+        q, k, v = mx.split(self.qkv_proj(hidden_states), [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim], axis=-1)
+        q = q.reshape(B, T, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, T, self.k_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.v_num_heads, self.v_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rms_norm(q, weight=None, eps=1e-6) * self.q_weight[:, None]
+        k = mx.fast.rms_norm(k, weight=None, eps=1e-6) * self.k_weight[:, None]
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = _pc.paged_sdpa(q, k, v, cache, self.scale, mask)  # the probe records the K/V shapes
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, self.q_num_heads * self.v_dim))
+
+
 class _Gemma3nAttention:
     """Gemma3nAttention whose KV-shared layers read their source layer's pools through a view."""
 
@@ -369,6 +390,7 @@ class _Llama4Attention:
 _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
     "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
+    "mlx_lm.models.plamo2": {"Attention": _Plamo2Attention},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
