@@ -101,6 +101,9 @@ LLAMA4 = {
         "use_qk_norm": True, "rope_scaling": None, "floor_scale": 8, "attn_scale": 0.5,
     },
 }
+# 4 layers, the last 2 attending to layer 1's K/V with queries of their own (mlx-lm rotates those at S - L).
+AFM7 = {"model_type": "afm7", "hidden_dim": 64, "num_layers": 4, "num_kv_reuse_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2}
 ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_text())["configs"]
 # MLA beside linear-attention (KDA) layers with recurrent state: the latent pages, the state gets slots.
 BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
@@ -120,7 +123,7 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
             "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
             "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
-            "plamo2": (PLAMO2, 0.1, 1.0)}
+            "plamo2": (PLAMO2, 0.1, 1.0), "afm7": (AFM7, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -198,7 +201,7 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
 
 @pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
                                                 ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
-                                                ("kimi_linear", 36, 36), ("plamo2", 36, 36)])
+                                                ("kimi_linear", 36, 36), ("plamo2", 36, 36), ("afm7", 30, 28)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -320,6 +323,12 @@ def test_kv_sharing_pages_once(family, name):
     assert view.nbytes == 0 and view.state == [] and view.window is None
     k = mx.ones((1, 2, 1, specs[1].k_head_dim))
     assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
+
+
+def test_afm7_kv_reuse_layers_page_nothing(family):
+    model, tok = family("afm7")
+    specs = inspect_model(model, "afm7")  # the 2 KV-reuse layers read layer 1's pools
+    assert len(specs) == 2 and LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite", "mistral4"])

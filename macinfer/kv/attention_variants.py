@@ -23,7 +23,16 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3 (MLA): mlx-lm
+- afm7: its last num_kv_reuse_layers layers attend to the last K/V layer's cache with queries
+  of their own; mlx-lm's model body hands them cache[-1].keys_and_values() and they rotate their
+  queries at S - L (the number of keys minus the forward's length: right for one unpadded row,
+  wrong for a left-padded row of mlx-lm's BatchGenerator). The body is subclassed to hand them a
+  SharedKVView instead, and they rotate at each row's position.
+
+- plamo2: its attention calls mx.fast.scaled_dot_product_attention itself; the subclass runs
+  mlx-lm's code up to that call and sends it to paged attention.
+
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3, kimi_linear (MLA): mlx-lm
   already caches the compressed latent (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values
   per token) and expands or absorbs it inside attention, asking its cache for the whole context
   back and for a mask array. The pools
@@ -198,6 +207,41 @@ class _Gemma4Attention:
         if isinstance(cache, PagedKVCache):
             kvs = _SharedPages(SharedKVView(cache))  # the step's K/V alone would be wrong to share
         return out, kvs, offset
+
+
+class _AFMModel:
+    """afm7's AFMModel on paged caches: its KV-reuse layers read the last K/V layer's pools.
+
+    mlx-lm hands those layers cache[-1].keys_and_values() (the dense K/V) and rotates their
+    queries at S - L, where S counts the keys: with one row, the forward's first position.
+    Here they get a SharedKVView of that cache instead, and their queries each row's position.
+    """
+
+    def __call__(self, inputs, cache=None):
+        if cache is None or not isinstance(cache[-1], PagedKVCache):
+            return super().__call__(inputs, cache)
+        h = self.embedding(inputs)
+        mask = cache[0].make_mask(h.shape[1])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        shared = SharedKVView(cache[-1])
+        for layer in self.kv_reuse_layers:
+            h = layer(h, shared, None, mask)
+        return self.output_norm(h)
+
+
+class _AFMKVReuseAttention:
+    """afm7's KVReuseAttention over a SharedKVView (from _AFMModel); mlx-lm's own for dense K/V."""
+
+    def __call__(self, x, keys, values, mask=None):
+        if not isinstance(keys, SharedKVView):
+            with _unprobed():  # no cache of its own: kept out of inspect_model's count
+                return super().__call__(x, keys, values, mask)
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.q_norm(self.rope(queries, offset=keys.offset))  # (B,) row positions, not S - L
+        out = keys.attention(queries, mask, self.scale)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class _LatentContext:
@@ -391,6 +435,7 @@ _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
     "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
     "mlx_lm.models.plamo2": {"Attention": _Plamo2Attention},
+    "mlx_lm.models.afm7": {"AFMModel": _AFMModel, "KVReuseAttention": _AFMKVReuseAttention},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
