@@ -32,7 +32,8 @@ code for anything else (so mlx-lm keeps working on the same model object):
 - plamo2: its attention calls mx.fast.scaled_dot_product_attention itself; the subclass runs
   mlx-lm's code up to that call and sends it to paged attention.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3, kimi_linear (MLA): mlx-lm
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3, kimi_linear,
+  longcat_flash (two MLA attentions per layer, a CacheList of two latents) (MLA): mlx-lm
   already caches the compressed latent (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values
   per token) and expands or absorbs it inside attention, asking its cache for the whole context
   back and for a mask array. The pools
@@ -41,6 +42,11 @@ code for anything else (so mlx-lm keeps working on the same model object):
   this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
   padding, so mlx-lm's own MLA code and sdpa run unchanged on it. (A gather per layer, like
   the reference paged attention's; the fused kernel does not cover MLA.)
+
+- deepseek_v32, glm_moe_dsa (MLA with an indexer): a CacheList(latent, indexer keys) per layer,
+  both paged (the runner hands the layer a CacheList of its two paged caches, ModelSpecs.layout
+  "kvlist"); both get a _LatentContext, so mlx-lm's own indexer picks its top-k keys from each
+  row's dense context (other rows' padding masked) and its attention runs on the picked ones.
 
 While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's attention is
 kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
@@ -253,6 +259,7 @@ class _LatentContext:
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
+        self.keys = self.values = None  # deepseek_v32 reads them (and sets them: mx.depends)
 
     @property
     def offset(self):
@@ -260,7 +267,8 @@ class _LatentContext:
 
     def update_and_fetch(self, latent, k_pe):
         self.cache.update_and_fetch(latent, k_pe)  # pages the compressed latent and the rope key
-        return dense_context(self.cache)
+        self.keys, self.values = dense_context(self.cache)
+        return self.keys, self.values
 
     def mask(self, L: int, arrays: bool = True):
         """mlx-lm's mask for this forward (None for one row of one token).
@@ -326,7 +334,8 @@ class _ShapeRecorder:
 
     def update_and_fetch(self, keys, values):
         self.shapes = (keys.shape, values.shape, keys.dtype)
-        return self.cache.update_and_fetch(keys, values)
+        self.keys, self.values = self.cache.update_and_fetch(keys, values)
+        return self.keys, self.values
 
 
 class _LatentAttention:
@@ -354,6 +363,27 @@ class _LatentAttention:
             calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
             return out
         return call(mask, cache)
+
+
+class _SparseLatentAttention:
+    """deepseek_v32's MLA with its indexer (also glm_moe_dsa's): a CacheList(latent, indexer keys).
+
+    Both are paged like an MLA latent (the indexer's one key head in K and, as mlx-lm's
+    update_and_fetch(k, k) asks, again in V), and mlx-lm's code runs on their dense context:
+    its top-k over each row's own keys (padding masked) picks what it picks for the row alone.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        if cache is not None and isinstance(cache[0], PagedKVCache):
+            latent = _LatentContext(cache[0])
+            return super().__call__(x, latent.mask(x.shape[1]), [latent, _LatentContext(cache[1])])
+        if _probing() and cache is not None:
+            calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
+            with _unprobed():
+                out = super().__call__(x, mask, recs)
+            calls.extend((c, *r.shapes) for c, r in zip(cache, recs))  # what each of the two pages
+            return out
+        return super().__call__(x, mask, cache)
 
 
 class _Mistral4Attention(_LatentAttention):
@@ -442,13 +472,17 @@ _VARIANTS = {
     "mlx_lm.models.bailing_hybrid": {"MultiLatentAttention": _LatentAttention},
     "mlx_lm.models.bailing_moe_v3": {"BailingMLA": _LatentAttention},
     "mlx_lm.models.kimi_linear": {"KimiMLAAttention": _LatentAttention},
+    "mlx_lm.models.deepseek_v32": {"DeepseekV32Attention": _SparseLatentAttention},
+    "mlx_lm.models.longcat_flash": {"LongcatFlashMLA": _LatentAttention},  # two per layer: a CacheList
     "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
     "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
     "mlx_lm.models.llama4": {"LlamaModel": _Llama4Model, "Attention": _Llama4Attention},  # chunk masks
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
 _MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite",
-                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3", "mlx_lm.models.kimi_linear")
+                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3", "mlx_lm.models.kimi_linear",
+                 "mlx_lm.models.deepseek_v32", "mlx_lm.models.longcat_flash",
+                 "mlx_lm.models.longcat_flash_ngram")
 _subclasses: dict[type, type] = {}
 
 
@@ -485,7 +519,9 @@ def install_attention_variants(model: nn.Module) -> int:
                 _retype(m, mixin)
                 families.append(cls.__module__)
                 break
-    for name in set(families) & set(_MASK_MODULES):
+    # Also a model body in a module of its own (longcat_flash_ngram's, over longcat_flash's layers).
+    bodies = {type(m).__module__ for _, m in model.named_modules()} if families else set()
+    for name in (set(families) | bodies) & set(_MASK_MODULES):
         mod = sys.modules[name]
         if not hasattr(mod.create_attention_mask, "paged_original"):
             mod.create_attention_mask = _paged_mask_dispatch(mod.create_attention_mask)
@@ -500,14 +536,14 @@ class _OffsetsProbeCache:
 
     def __init__(self, offsets: mx.array, window=None):
         self.offset, self.window = offsets, window
-        self._kv = (None, None)
+        self.keys = self.values = None
 
     def update_and_fetch(self, keys, values):
-        self._kv = (keys, values)
+        self.keys, self.values = keys, values
         return keys, values
 
     def keys_and_values(self):
-        return self._kv
+        return self.keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
         return None if N == 1 else "causal"
