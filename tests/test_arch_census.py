@@ -189,3 +189,20 @@ def test_looped_model_prefill_keeps_every_position(tmp_path):
     prompts = [tok.encode(p) for p in PROMPTS]
     outs = staggered(llm.engine, prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
     assert [o.token_ids for o in outs] == [greedy(path, p, 6) for p in prompts]
+
+
+def test_phixtral_vocabulary_covers_the_tokenizer(tmp_path):
+    """phixtral sizes its embedding by num_vocab (mlx-lm's test config: 256, below the tiny tokenizer's
+    320): ids past it were an out-of-range gather, so mlx-lm's own output was whatever memory held."""
+    from macinfer.core.sampling import SamplingParams
+    from macinfer.llm import LLM
+
+    with pytest.raises(ValueError, match="num_vocab 256 < the tokenizer's"):
+        build_from_config(tmp_path / "small", {**CONFIGS["phixtral"], "num_vocab": 256})
+    path = build_from_config(tmp_path / "phixtral", CONFIGS["phixtral"])
+    llm = LLM(str(path), engine="paged", max_num_seqs=4, max_num_batched_tokens=8, kv_memory="64MiB")
+    _, tok = mlx_lm_load(str(path))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert max(max(p) for p in prompts) >= 256  # the ids that fell outside the old embedding
+    outs = staggered(llm.engine, prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
+    assert [o.token_ids for o in outs] == [greedy(path, p, 6) for p in prompts]

@@ -101,9 +101,20 @@ LLAMA4 = {
         "use_qk_norm": True, "rope_scaling": None, "floor_scale": 8, "attn_scale": 0.5,
     },
 }
+# 4 layers, the last 2 attending to layer 1's K/V with queries of their own (mlx-lm rotates those at S - L).
+AFM7 = {"model_type": "afm7", "hidden_dim": 64, "num_layers": 4, "num_kv_reuse_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2}
 ARCH_CONFIGS = json.loads((Path(__file__).parent / "arch_configs.json").read_text())["configs"]
 # MLA beside linear-attention (KDA) layers with recurrent state: the latent pages, the state gets slots.
 BAILING_MOE_V3 = ARCH_CONFIGS["bailing_moe_v3"]
+# The same beside KDA layers, but its MLA has no rope and masks its scores with a boolean array.
+KIMI_LINEAR = ARCH_CONFIGS["kimi_linear"]
+# MLA with an indexer (a CacheList per layer): past index_topk 4 keys, each query attends to 4 picked ones.
+DEEPSEEK_V32 = ARCH_CONFIGS["deepseek_v32"]
+# Two MLA attentions per layer, each with its own cache (a CacheList of two latents).
+LONGCAT_FLASH = ARCH_CONFIGS["longcat_flash"]
+# Mamba layers beside attention that calls mx.fast's sdpa itself (not mlx-lm's wrapper).
+PLAMO2 = ARCH_CONFIGS["plamo2"]
 # Sliding and full layers, yarn rope and llama-4 query scaling from position 16 on.
 MINISTRAL3 = ARCH_CONFIGS["ministral3"]
 # Sliding layers whose mask is one token wider than their RotatingKVCache (paged_attention: prompt window).
@@ -115,7 +126,9 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "glm4_moe_lite": (GLM4_MOE_LITE, 0.3, 0.0), "kimi_k25": (KIMI_K25, 0.3, 0.0),
             "mistral4": (MISTRAL4, 0.3, 0.0), "llama4": (LLAMA4, 0.3, 0.0),
             "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
-            "plamo3": (PLAMO3, 0.2, 1.0)}
+            "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
+            "plamo2": (PLAMO2, 0.1, 1.0), "afm7": (AFM7, 0.3, 0.0),
+            "deepseek_v32": (DEEPSEEK_V32, 0.3, 0.0), "longcat_flash": (LONGCAT_FLASH, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -192,7 +205,9 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
 
 
 @pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
-                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28)])
+                                                ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
+                                                ("kimi_linear", 36, 36), ("plamo2", 36, 36), ("afm7", 30, 28),
+                                                ("deepseek_v32", 30, 28), ("longcat_flash", 30, 28)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -316,6 +331,12 @@ def test_kv_sharing_pages_once(family, name):
     assert view.update_and_fetch(k, k) == (k, k)  # writes nothing
 
 
+def test_afm7_kv_reuse_layers_page_nothing(family):
+    model, tok = family("afm7")
+    specs = inspect_model(model, "afm7")  # the 2 KV-reuse layers read layer 1's pools
+    assert len(specs) == 2 and LLMEngine(model, tok, None, num_blocks=8, block_size=4).runner.batch_decode
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite", "mistral4"])
 def test_mla_pages_the_compressed_latent(family, name):
     model, tok = family(name)
@@ -326,6 +347,31 @@ def test_mla_pages_the_compressed_latent(family, name):
         (1, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])}
     expanded = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"])
     assert specs[0].bytes_per_token() == 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) < 4 * expanded
+
+
+def test_indexer_pages_beside_the_latent(family):
+    model, tok = family("deepseek_v32")
+    cfg = DEEPSEEK_V32
+    specs = inspect_model(model, "deepseek_v32")
+    # Per layer a CacheList: the latent and rope key, then the indexer's one key head (in K and V).
+    assert [(s.n_kv_heads, s.k_head_dim, s.v_head_dim) for s in specs] == [
+        (1, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]), (1, cfg["index_head_dim"], cfg["index_head_dim"])
+    ] * cfg["num_hidden_layers"]
+    assert specs.layout == [("kvlist", 2 * i, 2 * i + 1) for i in range(cfg["num_hidden_layers"])] and not specs.states
+    engine = LLMEngine(model, tok, None, num_blocks=8, block_size=4)
+    assert engine.runner.batch_decode and engine.state_pool is None
+    assert len(engine.runner.caches) == cfg["num_hidden_layers"] and len(engine.runner.pool_caches) == len(specs)
+
+
+def test_state_that_grows_is_refused(tmp_path):
+    """longcat_flash_ngram's ArraysCache keeps the last n-1 token ids (fewer at first): no fixed slot fits it."""
+    import mlx_lm
+
+    from macinfer.errors import MacinferError
+
+    model, tok = mlx_lm.load(str(build_model(tmp_path / "ngram", ARCH_CONFIGS["longcat_flash_ngram"], 0.3)))
+    with pytest.raises(MacinferError, match="^longcat_flash_ngram: a recurrent layer's state changes size"):
+        inspect_model(model, "longcat_flash_ngram")
 
 
 def test_gpt_bigcode_batches_with_row_positions(family):

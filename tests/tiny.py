@@ -163,6 +163,11 @@ def build_from_config(out: Path | str, config: dict, seed: int = 0) -> Path:
     text = config.get("text_config", config)
     if text.get("vocab_size", config.get("vocab_size", 0)) < len(vocab):
         raise ValueError(f"vocab_size {text.get('vocab_size')} < the tokenizer's {len(vocab)}")
+    # Some models size their embedding by another key (phixtral: num_vocab); token ids past
+    # it are an out-of-range gather, whose output is whatever memory holds.
+    for key in ("num_vocab", "n_vocab", "padded_vocab_size"):
+        if text.get(key, len(vocab)) < len(vocab):
+            raise ValueError(f"{key} {text[key]} < the tokenizer's {len(vocab)}")
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

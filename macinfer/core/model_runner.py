@@ -65,12 +65,17 @@ class ModelRunner:
         # Hybrid / SSM models: a state slot per sequence beside the KV pools (macinfer.kv.state_cache);
         # self.caches is then the model's own cache layout (attention and state layers interleaved).
         self.states = None
+        self.pool_caches = self.caches  # every paged cache, flat (the prefix cache's disk tier reads them)
         if getattr(specs, "states", None):
             from macinfer.kv.state_cache import StateStore, honours_lengths
 
             self.states = StateStore(specs)
             self.states.honours_lengths = honours_lengths(model)
             self.caches = self.states.model_caches(self.caches)
+        elif getattr(specs, "layout", None):  # CacheLists of paged caches only (deepseek_v32's indexer)
+            from macinfer.kv.state_cache import layout_caches
+
+            self.caches = layout_caches(specs.layout, self.caches)
         install_attention_patch(model)
         if specs:  # a model without attention layers (mamba2) has no RoPE to share
             install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward

@@ -177,7 +177,7 @@ def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
     if persist and config.persist_prefix_cache and not getattr(config, "kv_bits", None):
         root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
         root = root.expanduser()
-        pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.caches, engine.block_size,
+        pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.pool_caches, engine.block_size,
                                      parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"))
         from macinfer.modelio.prefix_dirs import label_prefix_dir  # `macinfer cache` names the directory
 

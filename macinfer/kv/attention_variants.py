@@ -23,7 +23,17 @@ code for anything else (so mlx-lm keeps working on the same model object):
   the source layer's update_and_fetch returned (only this step's tokens on a paged cache), which
   the source's subclass replaces with a marker pointing at its cache.
 
-- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3 (MLA): mlx-lm
+- afm7: its last num_kv_reuse_layers layers attend to the last K/V layer's cache with queries
+  of their own; mlx-lm's model body hands them cache[-1].keys_and_values() and they rotate their
+  queries at S - L (the number of keys minus the forward's length: right for one unpadded row,
+  wrong for a left-padded row of mlx-lm's BatchGenerator). The body is subclassed to hand them a
+  SharedKVView instead, and they rotate at each row's position.
+
+- plamo2: its attention calls mx.fast.scaled_dot_product_attention itself; the subclass runs
+  mlx-lm's code up to that call and sends it to paged attention.
+
+- deepseek_v3, kimi_k25, glm4_moe_lite, mistral4, bailing_hybrid, bailing_moe_v3, kimi_linear,
+  longcat_flash (two MLA attentions per layer, a CacheList of two latents) (MLA): mlx-lm
   already caches the compressed latent (kv_latent, k_pe: kv_lora_rank + qk_rope_head_dim values
   per token) and expands or absorbs it inside attention, asking its cache for the whole context
   back and for a mask array. The pools
@@ -32,6 +42,11 @@ code for anything else (so mlx-lm keeps working on the same model object):
   this forward's rows (`dense_context`), plus a boolean mask with each row's causality and
   padding, so mlx-lm's own MLA code and sdpa run unchanged on it. (A gather per layer, like
   the reference paged attention's; the fused kernel does not cover MLA.)
+
+- deepseek_v32, glm_moe_dsa (MLA with an indexer): a CacheList(latent, indexer keys) per layer,
+  both paged (the runner hands the layer a CacheList of its two paged caches, ModelSpecs.layout
+  "kvlist"); both get a _LatentContext, so mlx-lm's own indexer picks its top-k keys from each
+  row's dense context (other rows' padding masked) and its attention runs on the picked ones.
 
 While `inspect_model` probes the model with mlx-lm's caches, a sharing layer's attention is
 kept out of the count (it adds no cache), gemma2's goes through the probe's sdpa hook, and an
@@ -152,6 +167,27 @@ class _Gemma2Attention:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class _Plamo2Attention:
+    """plamo2's Attention calls mx.fast's sdpa itself; on a paged cache it goes to paged attention."""
+
+    def __call__(self, hidden_states, mask=None, cache=None):
+        if not (isinstance(cache, PagedKVCache) or (_probing() and cache is not None)):
+            return super().__call__(hidden_states, mask, cache)
+        # mlx-lm's plamo2 Attention up to the sdpa call, unchanged.
+        B, T, _ = hidden_states.shape
+        q, k, v = mx.split(self.qkv_proj(hidden_states), [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim], axis=-1)
+        q = q.reshape(B, T, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, T, self.k_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.v_num_heads, self.v_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rms_norm(q, weight=None, eps=1e-6) * self.q_weight[:, None]
+        k = mx.fast.rms_norm(k, weight=None, eps=1e-6) * self.k_weight[:, None]
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = _pc.paged_sdpa(q, k, v, cache, self.scale, mask)  # the probe records the K/V shapes
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, self.q_num_heads * self.v_dim))
+
+
 class _Gemma3nAttention:
     """Gemma3nAttention whose KV-shared layers read their source layer's pools through a view."""
 
@@ -179,6 +215,41 @@ class _Gemma4Attention:
         return out, kvs, offset
 
 
+class _AFMModel:
+    """afm7's AFMModel on paged caches: its KV-reuse layers read the last K/V layer's pools.
+
+    mlx-lm hands those layers cache[-1].keys_and_values() (the dense K/V) and rotates their
+    queries at S - L, where S counts the keys: with one row, the forward's first position.
+    Here they get a SharedKVView of that cache instead, and their queries each row's position.
+    """
+
+    def __call__(self, inputs, cache=None):
+        if cache is None or not isinstance(cache[-1], PagedKVCache):
+            return super().__call__(inputs, cache)
+        h = self.embedding(inputs)
+        mask = cache[0].make_mask(h.shape[1])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        shared = SharedKVView(cache[-1])
+        for layer in self.kv_reuse_layers:
+            h = layer(h, shared, None, mask)
+        return self.output_norm(h)
+
+
+class _AFMKVReuseAttention:
+    """afm7's KVReuseAttention over a SharedKVView (from _AFMModel); mlx-lm's own for dense K/V."""
+
+    def __call__(self, x, keys, values, mask=None):
+        if not isinstance(keys, SharedKVView):
+            with _unprobed():  # no cache of its own: kept out of inspect_model's count
+                return super().__call__(x, keys, values, mask)
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.q_norm(self.rope(queries, offset=keys.offset))  # (B,) row positions, not S - L
+        out = keys.attention(queries, mask, self.scale)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 class _LatentContext:
     """What an MLA layer's attention sees of a paged cache: the pools' latent context, dense.
 
@@ -188,6 +259,7 @@ class _LatentContext:
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
+        self.keys = self.values = None  # deepseek_v32 reads them (and sets them: mx.depends)
 
     @property
     def offset(self):
@@ -195,7 +267,8 @@ class _LatentContext:
 
     def update_and_fetch(self, latent, k_pe):
         self.cache.update_and_fetch(latent, k_pe)  # pages the compressed latent and the rope key
-        return dense_context(self.cache)
+        self.keys, self.values = dense_context(self.cache)
+        return self.keys, self.values
 
     def mask(self, L: int, arrays: bool = True):
         """mlx-lm's mask for this forward (None for one row of one token).
@@ -261,7 +334,8 @@ class _ShapeRecorder:
 
     def update_and_fetch(self, keys, values):
         self.shapes = (keys.shape, values.shape, keys.dtype)
-        return self.cache.update_and_fetch(keys, values)
+        self.keys, self.values = self.cache.update_and_fetch(keys, values)
+        return self.keys, self.values
 
 
 class _LatentAttention:
@@ -289,6 +363,27 @@ class _LatentAttention:
             calls.append((cache, *rec.shapes))  # the latent's shapes, not the expanded K/V's
             return out
         return call(mask, cache)
+
+
+class _SparseLatentAttention:
+    """deepseek_v32's MLA with its indexer (also glm_moe_dsa's): a CacheList(latent, indexer keys).
+
+    Both are paged like an MLA latent (the indexer's one key head in K and, as mlx-lm's
+    update_and_fetch(k, k) asks, again in V), and mlx-lm's code runs on their dense context:
+    its top-k over each row's own keys (padding masked) picks what it picks for the row alone.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        if cache is not None and isinstance(cache[0], PagedKVCache):
+            latent = _LatentContext(cache[0])
+            return super().__call__(x, latent.mask(x.shape[1]), [latent, _LatentContext(cache[1])])
+        if _probing() and cache is not None:
+            calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
+            with _unprobed():
+                out = super().__call__(x, mask, recs)
+            calls.extend((c, *r.shapes) for c, r in zip(cache, recs))  # what each of the two pages
+            return out
+        return super().__call__(x, mask, cache)
 
 
 class _Mistral4Attention(_LatentAttention):
@@ -369,18 +464,25 @@ class _Llama4Attention:
 _VARIANTS = {
     "mlx_lm.models.gemma2": {"Attention": _Gemma2Attention},
     "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
+    "mlx_lm.models.plamo2": {"Attention": _Plamo2Attention},
+    "mlx_lm.models.afm7": {"AFMModel": _AFMModel, "KVReuseAttention": _AFMKVReuseAttention},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
     "mlx_lm.models.bailing_hybrid": {"MultiLatentAttention": _LatentAttention},
     "mlx_lm.models.bailing_moe_v3": {"BailingMLA": _LatentAttention},
+    "mlx_lm.models.kimi_linear": {"KimiMLAAttention": _LatentAttention},
+    "mlx_lm.models.deepseek_v32": {"DeepseekV32Attention": _SparseLatentAttention},
+    "mlx_lm.models.longcat_flash": {"LongcatFlashMLA": _LatentAttention},  # two per layer: a CacheList
     "mlx_lm.models.mistral4": {"Mistral4Attention": _Mistral4Attention},
     "mlx_lm.models.gpt_bigcode": {"GPTBigCodeModel": _GPTBigCodeModel},  # not attention: positions
     "mlx_lm.models.llama4": {"LlamaModel": _Llama4Model, "Attention": _Llama4Attention},  # chunk masks
 }
 # Modules whose models ask create_attention_mask for an array that only our subclass consumes.
 _MASK_MODULES = ("mlx_lm.models.gemma2", "mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite",
-                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3")
+                 "mlx_lm.models.bailing_hybrid", "mlx_lm.models.bailing_moe_v3", "mlx_lm.models.kimi_linear",
+                 "mlx_lm.models.deepseek_v32", "mlx_lm.models.longcat_flash",
+                 "mlx_lm.models.longcat_flash_ngram")
 _subclasses: dict[type, type] = {}
 
 
@@ -417,7 +519,9 @@ def install_attention_variants(model: nn.Module) -> int:
                 _retype(m, mixin)
                 families.append(cls.__module__)
                 break
-    for name in set(families) & set(_MASK_MODULES):
+    # Also a model body in a module of its own (longcat_flash_ngram's, over longcat_flash's layers).
+    bodies = {type(m).__module__ for _, m in model.named_modules()} if families else set()
+    for name in (set(families) | bodies) & set(_MASK_MODULES):
         mod = sys.modules[name]
         if not hasattr(mod.create_attention_mask, "paged_original"):
             mod.create_attention_mask = _paged_mask_dispatch(mod.create_attention_mask)
@@ -432,14 +536,14 @@ class _OffsetsProbeCache:
 
     def __init__(self, offsets: mx.array, window=None):
         self.offset, self.window = offsets, window
-        self._kv = (None, None)
+        self.keys = self.values = None
 
     def update_and_fetch(self, keys, values):
-        self._kv = (keys, values)
+        self.keys, self.values = keys, values
         return keys, values
 
     def keys_and_values(self):
-        return self._kv
+        return self.keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
         return None if N == 1 else "causal"

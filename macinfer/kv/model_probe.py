@@ -70,6 +70,8 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         raise MacinferError(f"{model_type}: probing the model's attention failed ({type(e).__name__}: {e})") from None
     finally:
         _pc.probe_calls = None
+    if states:
+        _refuse_growing_states(model, model_caches, states, model_type)
     by_cache = {id(c): (kshape, vshape, dtype) for c, kshape, vshape, dtype in calls}
     if len(calls) != len(caches) or any(id(c) not in by_cache for c in caches):
         raise MacinferError(
@@ -83,7 +85,22 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         chunk = c.chunk_size if isinstance(c, ChunkedKVCache) else None
         specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window,
                                dtype=dtype, chunk=chunk))
-    return ModelSpecs(specs, state_specs(states, model_type), layout) if states else specs
+    lists = any(entry[0] == "kvlist" for entry in layout)
+    return ModelSpecs(specs, state_specs(states, model_type), layout) if states or lists else specs
+
+
+def _refuse_growing_states(model: nn.Module, model_caches: list, states: list, model_type: str) -> None:
+    """A state slot has a fixed size: refuse a layer whose state grows with the tokens it has seen
+    (longcat_flash_ngram keeps the last n-1 token ids, fewer at first). One more lazy forward."""
+    before = [[a.shape for a in c.cache] for c in states]
+    try:
+        model(mx.array([[0, 0, 0, 0]]), cache=model_caches)
+    except Exception:  # noqa: BLE001 - the first probe passed; the state shapes stand as they are
+        return
+    after = [[a.shape for a in c.cache] for c in states]
+    if after != before:
+        raise MacinferError(f"{model_type}: a recurrent layer's state changes size with the tokens it has seen, "
+                            "so it cannot take a fixed-size state slot")
 
 
 def supports_batched_offsets(model: nn.Module) -> bool:

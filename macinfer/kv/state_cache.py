@@ -66,7 +66,9 @@ class ModelSpecs(list):
     """inspect_model's result for a model with state layers: the attention LayerSpecs, in order (a list,
     as for any model), plus `states` (one StateSpec per state layer) and `layout`, one entry per
     mlx-lm cache entry: ("kv", i) attention spec i, ("state", j) state layer j, ("list", j, i) a
-    CacheList(state j, attention i) (falcon_h1 runs both in every layer)."""
+    CacheList(state j, attention i) (falcon_h1 runs both in every layer), ("kvlist", i, i', ...) a
+    CacheList of paged caches (deepseek_v32: the MLA latent and its indexer's keys). `states` may be
+    empty (a model whose only special layers are kvlists)."""
 
     def __init__(self, specs, states: list[StateSpec], layout: list[tuple]):
         super().__init__(specs)
@@ -99,6 +101,9 @@ def split_caches(caches: list, model_type: str) -> tuple[list, list, list[tuple]
             layout.append(("list", len(states), len(kv)))
             states.append(c.caches[0])
             kv.append(c.caches[1])
+        elif type(c) is CacheList and all(type(x) in _KV_TYPES for x in c.caches):
+            layout.append(("kvlist", *range(len(kv), len(kv) + len(c.caches))))  # deepseek_v32: latent, indexer
+            kv.extend(c.caches)
         else:
             refuse(c if type(c) is not CacheList else next((x for x in c.caches if type(x) not in _KV_TYPES
                                                             and type(x) is not ArraysCache), c))
@@ -147,7 +152,8 @@ class SlotCache(ArraysCache):
 
 
 class StateCacheList(CacheList):
-    """falcon_h1's per-layer CacheList(state, attention) with a state property mx.eval can take."""
+    """A per-layer CacheList (falcon_h1's state and attention, deepseek_v32's two paged caches)
+    with a state property mx.eval can take."""
 
     @property
     def state(self):
@@ -156,6 +162,21 @@ class StateCacheList(CacheList):
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
+
+
+def layout_caches(layout: list[tuple], kv_caches: list, state_layers: list = ()) -> list:
+    """The cache list a model is called with, one entry per ModelSpecs.layout entry."""
+    out = []
+    for entry in layout:
+        if entry[0] == "kv":
+            out.append(kv_caches[entry[1]])
+        elif entry[0] == "state":
+            out.append(state_layers[entry[1]])
+        elif entry[0] == "kvlist":
+            out.append(StateCacheList(*(kv_caches[i] for i in entry[1:])))
+        else:
+            out.append(StateCacheList(state_layers[entry[1]], kv_caches[entry[2]]))
+    return out
 
 
 class _Batch:
@@ -190,15 +211,7 @@ class StateStore:
 
     def model_caches(self, kv_caches: list) -> list:
         """The cache list the model is called with: the runner's attention caches and our SlotCaches, per layout."""
-        out = []
-        for entry in self.layout:
-            if entry[0] == "kv":
-                out.append(kv_caches[entry[1]])
-            elif entry[0] == "state":
-                out.append(self.layers[entry[1]])
-            else:
-                out.append(StateCacheList(self.layers[entry[1]], kv_caches[entry[2]]))
-        return out
+        return layout_caches(self.layout, kv_caches, self.layers)
 
     # -- per forward --------------------------------------------------------------------
     def bind(self, seqs: list, counts: list[int], L: int) -> None:
