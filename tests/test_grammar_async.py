@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
+import numpy as np
 
-from macinfer.core.grammar import StructuredOutput
+from macinfer.core.grammar import GrammarCompiler, StructuredOutput
 from macinfer.core.sampling import SamplingParams
 from macinfer.engine.llm_engine import LLMEngine
 from test_engine import assert_all_free, oracle, run
@@ -90,3 +92,30 @@ def test_grammar_rows_pipelined_equal_sync_and_mlx_lm(load):
             assert out[rid].text.startswith("{"), out[rid].text
     assert out["g-aborted"].finish_reason == "abort"
     assert len(out["free-seeded"].token_ids) == 24
+
+
+def test_prepare_builds_the_tokenizer_off_the_calling_thread(load):
+    """A server prepares the tokenizer on a thread of its own; the first matcher waits for it, and
+    it is the tokenizer llguidance.hf builds: the same masks, EOS included, along a whole output."""
+    model, tok = load("llama")
+    args = (tok._tokenizer, model.args.vocab_size, sorted(tok.eos_token_ids))
+    prepared, plain = GrammarCompiler(*args), GrammarCompiler(*args)
+    built_on = []
+    build = prepared._build
+    prepared._build = lambda text: (built_on.append(threading.current_thread()), build(text))
+    prepared.prepare()
+    prepared.prepare()  # once
+    so = StructuredOutput(regex=REGEX)
+    a, b = prepared.matcher(so), plain.matcher(so)
+    assert len(built_on) == 1 and built_on[0] is not threading.current_thread()
+    assert prepared._tokenizer is not None and prepared._building is None
+    for _ in range(12):
+        ma, mb = prepared.fill_masks([a]), plain.fill_masks([b])
+        assert (ma == mb).all()
+        bits = np.unpackbits(ma.view(np.uint8), bitorder="little")
+        t = int(np.flatnonzero(bits)[0])  # the lowest allowed id: EOS (2) once the text may end
+        done = a.consume_token(t) and a.is_stopped()
+        assert b.consume_token(t) and b.is_stopped() == done
+        if done:
+            break
+    assert done and t in tok.eos_token_ids

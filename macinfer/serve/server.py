@@ -384,8 +384,10 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
     aengine = AsyncEngine(engine or llm.engine, on_step=functools.partial(metrics.observe_step, model=model_name),
                           on_idle=ranks.heartbeat if ranks is not None else None)
+    _prepare_grammars(aengine.engine)
 
     def start_engine(name: str, other) -> AsyncEngine:
+        _prepare_grammars(other.engine)
         return AsyncEngine(other.engine, on_step=functools.partial(metrics.observe_step, model=name)).start()
 
     pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
@@ -403,6 +405,14 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     _add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
+
+
+def _prepare_grammars(engine) -> None:
+    """Build the engine's structured-output tokenizer in the background now, not on the engine thread
+    when the first request with a schema comes (it would stall every stream for a second)."""
+    grammars = getattr(engine, "grammars", None)  # the paged engine's; the mlx-lm fallback has none
+    if grammars is not None:
+        grammars.prepare()
 
 
 class _RequestChecks:
