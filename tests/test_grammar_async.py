@@ -1,18 +1,17 @@
 """Structured output inside pipelined steps: a row with a grammar is launched with the rest of the
 batch but sampled once the step before is read back (its mask needs that token), and the next step
 takes its id as input. Outputs must be exactly those of the synchronous engine, and mlx-lm's for
-free greedy rows, whatever finishes, arrives or is aborted while steps are in flight."""
+free greedy rows, whatever finishes, arrives or is aborted while steps are in flight. And a server
+builds the grammar engine's tokenizer before it serves."""
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 
 import jsonschema
-import numpy as np
 
-from macinfer.core.grammar import GrammarCompiler, StructuredOutput
+from macinfer.core.grammar import StructuredOutput
 from macinfer.core.sampling import SamplingParams
 from macinfer.engine.llm_engine import LLMEngine
 from test_engine import assert_all_free, oracle, run
@@ -94,28 +93,17 @@ def test_grammar_rows_pipelined_equal_sync_and_mlx_lm(load):
     assert len(out["free-seeded"].token_ids) == 24
 
 
-def test_prepare_builds_the_tokenizer_off_the_calling_thread(load):
-    """A server prepares the tokenizer on a thread of its own; the first matcher waits for it, and
-    it is the tokenizer llguidance.hf builds: the same masks, EOS included, along a whole output."""
-    model, tok = load("llama")
-    args = (tok._tokenizer, model.args.vocab_size, sorted(tok.eos_token_ids))
-    prepared, plain = GrammarCompiler(*args), GrammarCompiler(*args)
-    built_on = []
-    build = prepared._build
-    prepared._build = lambda text: (built_on.append(threading.current_thread()), build(text))
-    prepared.prepare()
-    prepared.prepare()  # once
-    so = StructuredOutput(regex=REGEX)
-    a, b = prepared.matcher(so), plain.matcher(so)
-    assert len(built_on) == 1 and built_on[0] is not threading.current_thread()
-    assert prepared._tokenizer is not None and prepared._building is None
-    for _ in range(12):
-        ma, mb = prepared.fill_masks([a]), plain.fill_masks([b])
-        assert (ma == mb).all()
-        bits = np.unpackbits(ma.view(np.uint8), bitorder="little")
-        t = int(np.flatnonzero(bits)[0])  # the lowest allowed id: EOS (2) once the text may end
-        done = a.consume_token(t) and a.is_stopped()
-        assert b.consume_token(t) and b.is_stopped() == done
-        if done:
-            break
-    assert done and t in tok.eos_token_ids
+def test_a_server_prepares_the_grammar_tokenizer_before_serving(tiny_models):
+    """llguidance's tokenizer holds the GIL while it is built: a server builds it as it starts, and for
+    a model it loads on demand on the loading thread, not on the first request with a schema."""
+    from macinfer.llm import LLM
+    from macinfer.serve.model_pool import PoolOptions
+    from macinfer.serve.server import create_app
+
+    path = str(tiny_models("llama"))
+    llm = LLM(path)
+    assert llm.engine.grammars._tokenizer is None  # elsewhere (LLM, `macinfer run`) the first grammar builds it
+    app = create_app(llm, models=PoolOptions(others={"other": path}, load=LLM))
+    assert llm.engine.grammars._tokenizer is not None
+    other = app.state.server.pool.options.load(path)
+    assert other.engine.grammars._tokenizer is not None

@@ -26,7 +26,6 @@ state too; chunked prefill samples nothing, so it never touches it.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -121,50 +120,21 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = hf_tokenizer, vocab_size, sorted(eos_token_ids)
-        self._tokenizer = None  # llguidance's: ~1 s of CPU for 49k tokens, so built on first use or by prepare()
-        self._building: threading.Thread | None = None  # prepare()'s build, joined by the first matcher
-        self._error: Exception | None = None  # what that build raised
+        self._tokenizer = None  # llguidance's: ~1 s of CPU for 49k tokens, built by prepare()
         self._compiled: dict[str, object] = {}  # grammar text -> a fresh matcher to copy (LRU by insertion)
 
     def prepare(self) -> None:
-        """Start building llguidance's tokenizer on a thread of its own (a server calls it as it starts).
+        """Build llguidance's view of the tokenizer now if not yet (the first matcher does otherwise).
 
-        Built on the first request with a grammar instead, it stalls every stream of the engine
-        thread for as long (~1 s for SmolLM2's 49k tokens). llguidance.hf.from_tokenizer holds
-        the GIL for most of its time even on another thread (it copies the Rust tokenizer through
-        Python); serialising it here (GIL dropped) and building from that text on a thread does not.
+        It takes ~1 s of CPU for SmolLM2's 49k tokens with the GIL held throughout (LLTokenizer's
+        constructor does not release it), so no thread can hide it: built on the first request with
+        a grammar, it stalls every stream. A server calls this as it starts and as it loads a model.
         """
-        if self._tokenizer is not None or self._building is not None:
-            return
-        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
-        if backend is None or backend.padding is not None or backend.truncation is not None:
-            return  # not a plain fast tokenizer: the first request builds it with llguidance.hf
-        text = backend.to_str()
-        self._building = threading.Thread(target=self._build, args=(text,), name="macinfer-llguidance", daemon=True)
-        self._building.start()
+        import llguidance.hf
 
-    def _build(self, text: str) -> None:
-        from llguidance import LLTokenizer
-
-        try:
-            eos = self.eos_token_ids or self.hf_tokenizer.eos_token_id
-            self._tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
-        except Exception as e:  # noqa: BLE001 - raised by the first matcher() instead
-            self._error = e
-
-    def _llg_tokenizer(self):
-        """llguidance's tokenizer: prepare()'s (waited for), else built now."""
-        if self._building is not None:
-            self._building.join()
-            self._building = None
-            if self._error is not None:
-                raise ValueError(f"the tokenizer cannot be used for structured output: {self._error}")
         if self._tokenizer is None:
-            import llguidance.hf
-
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
                                                            eos_token=self.eos_token_ids or None)
-        return self._tokenizer
 
     def matcher(self, structured: StructuredOutput):
         """A fresh llguidance LLMatcher for one request.
@@ -174,11 +144,11 @@ class GrammarCompiler:
         """
         import llguidance
 
-        tokenizer = self._llg_tokenizer()
+        self.prepare()
         text = structured.lark()
         template = self._compiled.pop(text, None)
         if template is None:
-            template = llguidance.LLMatcher(tokenizer, text, log_level=0)
+            template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
             if template.is_error():
                 raise ValueError(f"the grammar cannot be used: {' '.join(template.get_error().split())}")
         self._compiled[text] = template

@@ -385,9 +385,10 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     aengine = AsyncEngine(engine or llm.engine, on_step=functools.partial(metrics.observe_step, model=model_name),
                           on_idle=ranks.heartbeat if ranks is not None else None)
     _prepare_grammars(aengine.engine)
+    if models is not None and models.load is not None:  # and each model as it is loaded, on the loading thread
+        models = dataclasses.replace(models, load=functools.partial(_load_prepared, models.load))
 
     def start_engine(name: str, other) -> AsyncEngine:
-        _prepare_grammars(other.engine)
         return AsyncEngine(other.engine, on_step=functools.partial(metrics.observe_step, model=name)).start()
 
     pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
@@ -408,11 +409,17 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
 
 def _prepare_grammars(engine) -> None:
-    """Build the engine's structured-output tokenizer in the background now, not on the engine thread
-    when the first request with a schema comes (it would stall every stream for a second)."""
+    """Build the engine's structured-output tokenizer now, before it serves: on the first request with
+    a schema it would stall every stream for a second (macinfer.core.grammar.GrammarCompiler.prepare)."""
     grammars = getattr(engine, "grammars", None)  # the paged engine's; the mlx-lm fallback has none
     if grammars is not None:
         grammars.prepare()
+
+
+def _load_prepared(load, spec: str):
+    llm = load(spec)
+    _prepare_grammars(getattr(llm, "engine", None))
+    return llm
 
 
 class _RequestChecks:
