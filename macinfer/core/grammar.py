@@ -187,6 +187,9 @@ def advance(matcher, token: int) -> bool:
 def apply_masks(logits: mx.array, mask: np.ndarray) -> mx.array:
     """Logits (B, V) with the tokens each row's bitmask forbids set to -inf.
 
+    The bits are unpacked by numpy into an additive bias (0 or -inf) and added: on MLX's CPU
+    backend that is ~2x cheaper than shifting the words and mx.where (16 x 49,152 logits).
+
     Args:
         logits: (B, V) or (B, L, V); for (B, L, V) the masks apply at position 0 only (a
             forward verifying drafts: rows with a grammar have no drafts, so position 0 is
@@ -194,13 +197,16 @@ def apply_masks(logits: mx.array, mask: np.ndarray) -> mx.array:
         mask: int32 (B, W) bitmasks, bit t % 32 of word t // 32 for token t.
     """
     V = logits.shape[-1]
-    words = mx.array(mask)[:, :, None]  # (B, W, 1)
-    bits = mx.right_shift(words, mx.arange(32, dtype=mx.int32)) & 1  # (B, W, 32): little-endian bits
-    allowed = bits.reshape(mask.shape[0], -1)  # (B, 32 W)
-    if allowed.shape[1] < V:
-        allowed = mx.pad(allowed, [(0, 0), (0, V - allowed.shape[1])])
-    allowed = allowed[:, :V].astype(mx.bool_)
+    words = np.ascontiguousarray(mask, dtype="<i4")  # little-endian words: byte j holds tokens 8j..8j+7
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (B, 32 W): 1 = allowed
+    if bits.shape[1] < V:
+        bits = np.pad(bits, [(0, 0), (0, V - bits.shape[1])])  # columns past the mask: never allowed
+    bias = mx.array(_BIAS[bits[:, :V]])  # (B, V)
+    if bias.dtype != logits.dtype:
+        bias = bias.astype(logits.dtype)  # half-precision logits stay so (-inf is representable)
     if logits.ndim == 2:
-        return mx.where(allowed, logits, -mx.inf)
-    first = mx.where(allowed, logits[:, 0], -mx.inf)
-    return mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
+        return logits + bias
+    return mx.concatenate([(logits[:, 0] + bias)[:, None], logits[:, 1:]], axis=1)
+
+
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # a bit's additive bias: forbidden, allowed
