@@ -17,9 +17,10 @@ computes a step's masks while MLX evaluates the forward (macinfer.core.model_run
 
 NOTE: a request's matcher has consumed exactly its generated tokens (and the EOS that ended
 it). The engine advances it as it appends a token (LLMEngine._process_token), never
-speculatively: requests with a grammar get no drafts (macinfer.spec.decoder) and are not
-pipelined (macinfer.engine.pipeline). Preemption keeps the generated tokens, so it keeps the
-matcher's state too; chunked prefill samples nothing, so it never touches it.
+speculatively: requests with a grammar get no drafts (macinfer.spec.decoder), and a pipelined
+step samples their rows only once the step before is read back (macinfer.engine.pipeline,
+ModelRunner.launch_held). Preemption keeps the generated tokens, so it keeps the matcher's
+state too; chunked prefill samples nothing, so it never touches it.
 """
 
 from __future__ import annotations
@@ -119,8 +120,21 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = hf_tokenizer, vocab_size, sorted(eos_token_ids)
-        self._tokenizer = None  # llguidance's: ~1 s of CPU for 49k tokens, so built on first use
+        self._tokenizer = None  # llguidance's: ~1 s of CPU for 49k tokens, built by prepare()
         self._compiled: dict[str, object] = {}  # grammar text -> a fresh matcher to copy (LRU by insertion)
+
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now if not yet (the first matcher does otherwise).
+
+        It takes ~1 s of CPU for SmolLM2's 49k tokens with the GIL held throughout (LLTokenizer's
+        constructor does not release it), so no thread can hide it: built on the first request with
+        a grammar, it stalls every stream. A server calls this as it starts and as it loads a model.
+        """
+        import llguidance.hf
+
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_ids or None)
 
     def matcher(self, structured: StructuredOutput):
         """A fresh llguidance LLMatcher for one request.
@@ -129,11 +143,8 @@ class GrammarCompiler:
             ValueError: the grammar is invalid (one line).
         """
         import llguidance
-        import llguidance.hf
 
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+        self.prepare()
         text = structured.lark()
         template = self._compiled.pop(text, None)
         if template is None:
@@ -176,6 +187,9 @@ def advance(matcher, token: int) -> bool:
 def apply_masks(logits: mx.array, mask: np.ndarray) -> mx.array:
     """Logits (B, V) with the tokens each row's bitmask forbids set to -inf.
 
+    The bits are unpacked by numpy into an additive bias (0 or -inf) and added: on MLX's CPU
+    backend that is ~2x cheaper than shifting the words and mx.where (16 x 49,152 logits).
+
     Args:
         logits: (B, V) or (B, L, V); for (B, L, V) the masks apply at position 0 only (a
             forward verifying drafts: rows with a grammar have no drafts, so position 0 is
@@ -183,13 +197,16 @@ def apply_masks(logits: mx.array, mask: np.ndarray) -> mx.array:
         mask: int32 (B, W) bitmasks, bit t % 32 of word t // 32 for token t.
     """
     V = logits.shape[-1]
-    words = mx.array(mask)[:, :, None]  # (B, W, 1)
-    bits = mx.right_shift(words, mx.arange(32, dtype=mx.int32)) & 1  # (B, W, 32): little-endian bits
-    allowed = bits.reshape(mask.shape[0], -1)  # (B, 32 W)
-    if allowed.shape[1] < V:
-        allowed = mx.pad(allowed, [(0, 0), (0, V - allowed.shape[1])])
-    allowed = allowed[:, :V].astype(mx.bool_)
+    words = np.ascontiguousarray(mask, dtype="<i4")  # little-endian words: byte j holds tokens 8j..8j+7
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (B, 32 W): 1 = allowed
+    if bits.shape[1] < V:
+        bits = np.pad(bits, [(0, 0), (0, V - bits.shape[1])])  # columns past the mask: never allowed
+    bias = mx.array(_BIAS[bits[:, :V]])  # (B, V)
+    if bias.dtype != logits.dtype:
+        bias = bias.astype(logits.dtype)  # half-precision logits stay so (-inf is representable)
     if logits.ndim == 2:
-        return mx.where(allowed, logits, -mx.inf)
-    first = mx.where(allowed, logits[:, 0], -mx.inf)
-    return mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
+        return logits + bias
+    return mx.concatenate([(logits[:, 0] + bias)[:, None], logits[:, 1:]], axis=1)
+
+
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # a bit's additive bias: forbidden, allowed

@@ -17,10 +17,14 @@ Sampling is per request (each Sequence owns a Sampler with its own RNG key), so
 a seeded request draws the same tokens whatever else is in the batch. Greedy
 rows share one argmax, except `per_row` ones (penalties, logit_bias, logprobs:
 `sample_row`), which never carry drafts. Rows with structured output sample from logits masked by
-their grammar (macinfer.core.grammar); the masks are computed while MLX runs the forward.
+their grammar (macinfer.core.grammar); the masks are computed while MLX runs the forward. In a
+launched (pipelined) decode they are held back and sampled by `launch_held` once their matchers
+have the step before's tokens.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +37,13 @@ from macinfer.core.evaluator import StepEvaluator
 from macinfer.core.lm_head import split_head
 from macinfer.core.logprobs import LogprobRows
 from macinfer.core.scheduler import ScheduledSequence
+
+
+class HeldRows(NamedTuple):
+    """The rows of a launched decode that are sampled later (structured output: ModelRunner.launch_held)."""
+
+    index: list[int]  # their rows in the step
+    logits: mx.array  # (G, V), evaluated with the step
 
 
 class ModelRunner:
@@ -213,7 +224,7 @@ class ModelRunner:
         c.memo = {}
         return L
 
-    def launch_decode(self, seqs: list, tokens: mx.array) -> tuple[mx.array, LogprobRows]:
+    def launch_decode(self, seqs: list, tokens: mx.array) -> tuple[mx.array, LogprobRows, HeldRows | None]:
         """Async scheduling: queue one decode row per sequence without waiting for anything.
 
         Each seq computes the token at position seq.num_computed_tokens (its slot is
@@ -221,8 +232,10 @@ class ModelRunner:
         ids, still lazy. The graph is built now and launched (self.evaluator: mx.async_eval, or a
         worker thread on the CPU backend), so the host can resolve the previous step (and build
         the next one) while this one computes, as mlx-lm's generate_step does. Returns the lazy
-        sampled ids (B,) and the rows' logprobs (delivered when the ids are read back, after
-        `self.evaluator.last.wait()`).
+        sampled ids (B,), the rows' logprobs (delivered when the ids are read back, after
+        `self.evaluator.last.wait()`), and the rows held back: those with a grammar are not
+        sampled (their mask needs the token the step before is still computing), their ids are
+        0 until `launch_held` splices theirs in.
         """
         alone = self.ctx.attention_fn is not None  # a kernel dispatch checks shape classes as the forward is built
         if alone:
@@ -235,26 +248,66 @@ class ModelRunner:
             logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
         else:
             logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
+        index = [j for j, s in enumerate(seqs) if s.grammar is not None]
+        held = None
+        if index:
+            held = HeldRows(index, logits if len(index) == len(seqs) else logits[mx.array(index)])  # (G, V)
         logprob_rows = LogprobRows()
-        if all(s.sampler.params.greedy and not s.sampler.per_row for s in seqs):
-            sampled = mx.argmax(logits, axis=-1)
-        else:
-            sampled = mx.concatenate([self._launch_row(s, logits[j: j + 1], tokens[j: j + 1], logprob_rows)
-                                      for j, s in enumerate(seqs)])
+        sampled = self._sample_rows(seqs, logits, logprob_rows, tokens, skip=set(index))
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
         self.evaluator.launch([sampled, [c.state for c in self.caches], self._take_with_forward(),
-                               logprob_rows.arrays()], inline=alone)
-        return sampled, logprob_rows
+                               logprob_rows.arrays(), [] if held is None else held.logits], inline=alone)
+        return sampled, logprob_rows, held
 
-    def _launch_row(self, seq, logits: mx.array, token: mx.array, logprob_rows: LogprobRows) -> mx.array:
-        """One row of a launched decode: (1, V) logits -> (1,) token; `token` is its input id."""
+    def launch_held(self, seqs: list, held: HeldRows, sampled: mx.array, into: LogprobRows) -> mx.array:
+        """Sample a launched decode's held rows, now that each one's matcher has consumed its input id.
+
+        Args:
+            seqs: the launched step's sequences; its held rows that finished meanwhile keep id 0.
+            held: what launch_decode held back; its logits are evaluated by the step's job.
+            sampled: the step's ids (B,), lazy.
+            into: the step's logprobs.
+
+        Returns:
+            The step's ids (B,) with the held rows' spliced in, launched behind the step: the
+            next step may take them as its inputs, and reading them waits for `self.evaluator.last`.
+        """
+        live = [i for i, j in enumerate(held.index) if not seqs[j].is_finished]
+        if not live:
+            return sampled
+        rows = [seqs[held.index[i]] for i in live]
+        logits = held.logits if len(live) == len(held.index) else held.logits[mx.array(live)]
+        # llguidance drops the GIL: the masks are computed while the step's forward runs
+        ids = self._sample_rows(rows, apply_masks(logits, self.fill_masks([s.grammar for s in rows])), into)
+        B = sampled.shape[0]
+        order = list(range(B))  # row j's id: sampled[j], or ids[k] (at B + k) for the k-th live held row
+        for k, i in enumerate(live):
+            order[held.index[i]] = B + k
+        out = mx.concatenate([sampled, ids.astype(sampled.dtype)])[mx.array(order)]
+        self.evaluator.launch([out, into.arrays()], inline=self.ctx.attention_fn is not None)
+        return out
+
+    def _sample_rows(self, seqs: list, logits: mx.array, into: LogprobRows, inputs: mx.array | None = None,
+                     skip: set[int] = frozenset()) -> mx.array:
+        """Each row's next token (B,) from launched logits (B, V), lazily; `skip` rows get id 0.
+
+        inputs: the rows' input ids (B,), lazy, if their sequences do not hold them yet.
+        """
+        if all(s.sampler.params.greedy and not s.sampler.per_row for s in seqs):
+            return mx.argmax(logits, axis=-1)  # skipped rows too: overwritten, and one argmax is cheaper
+        return mx.concatenate([mx.zeros((1,), mx.uint32) if j in skip else
+                               self._launch_row(s, logits[j: j + 1], None if inputs is None else inputs[j: j + 1], into)
+                               for j, s in enumerate(seqs)])
+
+    def _launch_row(self, seq, logits: mx.array, token: mx.array | None, logprob_rows: LogprobRows) -> mx.array:
+        """One row of a launched decode: (1, V) logits -> (1,) token; `token` is its input id if still lazy."""
         sampler = seq.sampler
         if not sampler.per_row:
             return mx.argmax(logits, axis=-1) if sampler.params.greedy else sampler(logits)
         history = None
         if sampler.processors:
             history = mx.array(seq.token_ids, dtype=mx.int32)
-            if len(seq.token_ids) == seq.num_computed_tokens:  # the input id is the step in flight's, lazy
+            if token is not None and len(seq.token_ids) == seq.num_computed_tokens:  # the step in flight's id
                 history = mx.concatenate([history, token.astype(mx.int32)])
         return self.sample_row(seq, logits, history, into=logprob_rows)
 

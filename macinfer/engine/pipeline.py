@@ -12,6 +12,13 @@ its blocks are freed as usual). Anything else (admitting a request, a prefill
 chunk, drafts, too few free blocks) first reads back the step in flight, then runs
 a plain synchronous step.
 
+Structured output rides along: step n+1's mask needs step n's token, so a row with a grammar is
+computed in step n+1's forward but not sampled there. Once step n is read back (its tokens fed
+to the matchers), its masks are filled while step n+1's forward runs and its sampling is queued
+as a small job of its own, before step n+2 is built on step n+1's ids:
+
+    launch n+1 (forward; grammar rows held) -> resolve n -> sample n+1's held rows -> launch n+2 ...
+
 Where a step is evaluated is the runner's StepEvaluator (macinfer.core.evaluator): mx.async_eval,
 or on MLX's CPU backend a worker thread, whose jobs are waited for before their ids are read and
 drained before any synchronous step.
@@ -26,6 +33,7 @@ import mlx.core as mx
 
 from macinfer.core.evaluator import Job
 from macinfer.core.logprobs import LogprobRows
+from macinfer.core.model_runner import HeldRows
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sequence import Sequence
 
@@ -38,6 +46,8 @@ class InFlight:
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
     logprob_rows: LogprobRows  # the rows' logprobs (those that asked), delivered with the ids
     job: Job | None = None  # the forward's evaluation on the worker thread (threaded evaluator only)
+    held: HeldRows | None = None  # rows with a grammar, not sampled yet (_sample_held)
+    held_job: Job | None = None  # their sampling's evaluation, behind `job`
 
 
 class PipelinedSteps:
@@ -56,6 +66,8 @@ class PipelinedSteps:
         deltas = self._resolve(prev)
         if self._inflight is None:
             self.runner.evaluator.drain()  # a synchronous step comes next: nothing may run behind it
+        else:
+            self._sample_held(self._inflight)  # its grammar rows: their matchers now hold prev's tokens
         if self.spec is not None:
             # Read-back to read-back is one step's cost only while a step is queued behind
             # each. The last read-back before a synchronous step has none: where queueing
@@ -72,8 +84,8 @@ class PipelinedSteps:
         """The sequences the next step can decode without reading anything back, or [].
 
         Pipelining only covers the steady state: every running sequence decoding, nobody
-        waiting who could be admitted, no drafts, a free slot for each row without preempting,
-        no structured output (its mask for step n+1 needs step n's token).
+        waiting who could be admitted, no drafts, a free slot for each row without preempting.
+        Rows with structured output are sampled once step n is read back (_sample_held).
         With a step in flight, a sequence whose pending token is its last (max_tokens)
         is left out: it is certain to finish.
         """
@@ -82,8 +94,7 @@ class PipelinedSteps:
         # queue is longer than max_num_seqs still runs its full batch ahead.
         admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
         if (not self.config.async_scheduling or admissible
-                or not running or (len(running) > 1 and not self.runner.batch_decode)
-                or any(s.grammar is not None for s in running)):
+                or not running or (len(running) > 1 and not self.runner.batch_decode)):
             return []
         if prev is None:
             if any(s.num_uncomputed_tokens != 1 for s in running):
@@ -115,19 +126,34 @@ class PipelinedSteps:
             assert ok, s  # _decode_rows counted the free blocks
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        sampled, logprob_rows = self.runner.launch_decode(rows, tokens)
+        sampled, logprob_rows, held = self.runner.launch_decode(rows, tokens)
         job = self.runner.evaluator.last
         for s in rows:
             s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
         if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
             self.scheduler.take_snapshots(rows, launch=self.runner.evaluator.launch)
-        return InFlight(rows, sampled, logprob_rows, job)
+        step = InFlight(rows, sampled, logprob_rows, job, held)
+        if prev is None:  # every matcher has consumed the rows' input ids already
+            self._sample_held(step)
+        return step
+
+    def _sample_held(self, step: InFlight) -> None:
+        """Sample the grammar rows of a launched step, before the next step takes its ids as inputs.
+
+        NOTE: called once every held row's matcher has consumed the row's input id (the step
+        before was resolved), so masks are computed from known tokens only: the matchers are
+        never advanced speculatively. Rows that finished meanwhile are dropped at _resolve.
+        """
+        if step.held is not None:
+            step.tokens = self.runner.launch_held(step.seqs, step.held, step.tokens, step.logprob_rows)
+            step.held, step.held_job = None, self.runner.evaluator.last
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
         """Read a launched step's tokens back and process them like a synchronous step."""
         deltas = []
-        if step.job is not None:
-            step.job.wait()  # before reading: the engine thread evaluates nothing a worker may be evaluating
+        for job in (step.job, step.held_job):
+            if job is not None:
+                job.wait()  # before reading: the engine thread evaluates nothing a worker may be evaluating
         tokens = step.tokens.tolist()
         step.logprob_rows.deliver()
         for seq, tok in zip(step.seqs, tokens):

@@ -384,6 +384,9 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
     aengine = AsyncEngine(engine or llm.engine, on_step=functools.partial(metrics.observe_step, model=model_name),
                           on_idle=ranks.heartbeat if ranks is not None else None)
+    _prepare_grammars(aengine.engine)
+    if models is not None and models.load is not None:  # and each model as it is loaded, on the loading thread
+        models = dataclasses.replace(models, load=functools.partial(_load_prepared, models.load))
 
     def start_engine(name: str, other) -> AsyncEngine:
         return AsyncEngine(other.engine, on_step=functools.partial(metrics.observe_step, model=name)).start()
@@ -403,6 +406,20 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     _add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
+
+
+def _prepare_grammars(engine) -> None:
+    """Build the engine's structured-output tokenizer now, before it serves: on the first request with
+    a schema it would stall every stream for a second (macinfer.core.grammar.GrammarCompiler.prepare)."""
+    grammars = getattr(engine, "grammars", None)  # the paged engine's; the mlx-lm fallback has none
+    if grammars is not None:
+        grammars.prepare()
+
+
+def _load_prepared(load, spec: str):
+    llm = load(spec)
+    _prepare_grammars(getattr(llm, "engine", None))
+    return llm
 
 
 class _RequestChecks:

@@ -250,8 +250,10 @@ class SpecDecoder:
         `last`: tokens each row still produces before a draft could start (its next token, and
         with a step in flight the pending one); a row never drafts past its max_tokens.
         """
-        # per_row requests (penalties, logprobs) never draft: macinfer.core.sampling.Sampler.
-        caps = [0 if s.sampler.per_row else min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
+        # per_row requests (penalties, logprobs) never draft (macinfer.core.sampling.Sampler), nor
+        # structured output (propose).
+        caps = [0 if s.sampler.per_row or s.grammar is not None else
+                min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
         offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
         kinds = [self.kind(s) for s in seqs]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]

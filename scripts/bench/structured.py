@@ -4,12 +4,13 @@ The embedded SmolLM2-135M (float32 weights + OpenBLAS on a CPU host: docs/platfo
 chat requests asking for a JSON object, at most 16 running at once (the scheduler admits the
 next as one finishes). Each repetition runs these, the order rotating:
 
-  schema   response_format-style json_schema: each token sampled under the grammar's mask
-           (no pipelining: step n+1's mask needs step n's token);
+  schema   response_format-style json_schema: each token sampled under the grammar's mask,
+           pipelined like free text (a grammar row is sampled once the step before is read
+           back, while the next forward runs: macinfer.engine.pipeline);
   free     the same prompts and seeds, no schema, each request held to the token count its
            schema run produced (ignore_eos), so both do identical model work; pipelined
            (async scheduling), as free text runs by default;
-  free-sync  as free, with async scheduling off: how much of the cost is the lost pipelining.
+  free-sync  as free, with async scheduling off: what pipelining is worth here.
 
 Reported: tokens per second of each (generated tokens / wall time of the run, prefill included,
 the same prompts in all three) and the ratios to `free`, medians over --reps; and CPU seconds
@@ -23,6 +24,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -76,7 +78,8 @@ def main() -> None:
     structured = StructuredOutput(json_schema=SCHEMA)
     run(llm, prompts[:2], SamplingParams(max_tokens=4, structured=structured))  # warm: llguidance's tokenizer
     print(f"{llm.info.name} ({llm.info.quantization}; BLAS: {macinfer._blas.loaded or 'bundled'}), "
-          f"{args.requests} requests, {args.concurrency} at once, temperature 0.7")
+          f"{args.requests} requests, {args.concurrency} at once, temperature 0.7; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     seeds = list(range(args.requests))
     schema_params = [SamplingParams(temperature=0.7, seed=s, max_tokens=args.max_tokens, structured=structured)
@@ -109,7 +112,7 @@ def main() -> None:
           + f"; schema / free: {mcpu['schema'] / mcpu['free']:.3f}")
     print(f"schema / free: {med['schema'] / med['free']:.3f}  (cost {100 * (1 - med['schema'] / med['free']):.1f}%); "
           f"schema / free-sync: {med['schema'] / med['free-sync']:.3f}; free-sync / free: "
-          f"{med['free-sync'] / med['free']:.3f}")
+          f"{med['free-sync'] / med['free']:.3f}; load average now {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
