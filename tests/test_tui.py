@@ -369,7 +369,7 @@ async def test_reply_shows_every_delta_at_once_and_lays_out_a_few_times(monkeypa
         assert (layouts, reply.repaints) == (10, 30)  # at 0, 0.25, ... 2.25 s; repaints in between
         assert 2 <= reply.updates <= layouts  # Markdown appends: at layouts that found a complete block
         assert await reply.finish() == "".join(pieces)
-        assert reply.source == reply.text and not reply.pending and not reply.tail.is_attached
+        assert reply.source == reply.text and not reply.pending and not reply.tail.display
         whole = Markdown("".join(pieces), classes="turn assistant")
         await transcript.mount(whole)
         await pilot.pause()

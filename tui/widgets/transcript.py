@@ -42,7 +42,7 @@ class Reply(Vertical):
       blocks (complete_blocks) move from the tail to the Markdown document, and the tail
       takes the height of what is left.
 
-    `finish` appends the rest and drops the tail: the document then holds every piece
+    `finish` appends the rest and hides the tail: the document then holds every piece
     written, in order (`text`). NOTE: the engine runs in another process; the UI's time
     matters to it only as CPU taken from it on a machine with few cores.
     """
@@ -152,7 +152,7 @@ class Reply(Vertical):
                     text = "".join(self.pending)
                     self.pending.clear()
                     await self._append(text)
-                await self.tail.remove()
+                self.tail.display = False  # (not remove: that waits on the tail's message queue)
         return self.text
 
     def on_unmount(self) -> None:
