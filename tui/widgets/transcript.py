@@ -53,8 +53,8 @@ class Reply(Vertical):
     }
     """
     INTERVAL = 0.05
-    LAYOUT_INTERVAL = 0.25
-    BUDGET = 0.25
+    LAYOUT_INTERVAL = 0.2
+    BUDGET = 0.5
     SLACK = 2
     MAX_TAIL = 2000  # characters: a longer block in progress goes to the Markdown unfinished
 
