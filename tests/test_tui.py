@@ -314,6 +314,68 @@ async def test_clear_during_a_fast_stream():
         assert [t["role"] for t in app.session.turns] == ["user", "assistant"]
 
 
+def test_complete_blocks_split_after_the_last_blank_line_outside_a_fence():
+    from tui.widgets.transcript import complete_blocks
+
+    assert complete_blocks("# Hi\n\nSome te") == ("# Hi\n\n", "Some te")
+    assert complete_blocks("no blank line yet") == ("", "no blank line yet")
+    fenced = "Intro\n\n```py\nx = 1\n\ny = 2"  # the blank line in the code is not a block's end
+    assert complete_blocks(fenced) == ("Intro\n\n", "```py\nx = 1\n\ny = 2")
+    closed = fenced + "\n```\n\nAfter"
+    assert complete_blocks(closed) == (closed[:-len("After")], "After")
+
+
+def markdown_shape(md) -> list[tuple[str, str | None]]:
+    """Every widget under a Markdown widget, with the text it shows: what the reader sees."""
+    from textual.widgets import Static
+
+    return [(type(w).__name__, str(w.visual) if isinstance(w, Static) else None) for w in md.query("*")]
+
+
+@pytest.mark.anyio
+async def test_reply_shows_every_delta_at_once_and_lays_out_a_few_times(monkeypatch):
+    """600 stub tokens arrive in 40 pieces, one every 1/16 s (300 tok/s). Each piece shows at once,
+    in the tail (a repaint) or with the complete blocks moved into the Markdown (a layout, at most
+    every LAYOUT_INTERVAL); at every point the document plus the tail is exactly the text so far.
+    The finished document is the one the whole text makes in one go."""
+    from textual.app import App
+    from textual.widgets import Markdown
+
+    from tui.stub import SAMPLE_TOKENS
+    from tui.widgets import Transcript
+
+    monkeypatch.setattr(Reply, "_run", lambda self: asyncio.Event().wait())  # the test's clock paces it
+
+    tokens = [SAMPLE_TOKENS[i % len(SAMPLE_TOKENS)] for i in range(600)]
+    pieces = ["".join(tokens[i:i + 15]) for i in range(0, 600, 15)]
+
+    class One(App):
+        def compose(self):
+            yield Transcript()
+
+    async with One().run_test(size=SIZE) as pilot:
+        transcript = pilot.app.query_one(Transcript)
+        reply = await transcript.add_reply()
+        reply.LAYOUT_INTERVAL, reply.BUDGET = 0.25, 1.0  # layouts paced by the clock alone
+        layouts = 0
+        for i, piece in enumerate(pieces):
+            repaints = reply.repaints
+            reply.write(piece)
+            await reply.show(now=i / 16)
+            layouts += reply.repaints == repaints
+            tail = "".join(reply.pending)
+            assert reply.source + tail == "".join(pieces[:i + 1])
+            assert str(reply.tail.visual) == tail + "\n" * reply.SLACK
+        assert (layouts, reply.repaints) == (10, 30)  # at 0, 0.25, ... 2.25 s; repaints in between
+        assert 2 <= reply.updates <= layouts  # Markdown appends: at layouts that found a complete block
+        assert await reply.finish() == "".join(pieces)
+        assert reply.source == reply.text and not reply.pending and not reply.tail.display
+        whole = Markdown("".join(pieces), classes="turn assistant")
+        await transcript.mount(whole)
+        await pilot.pause()
+        assert markdown_shape(reply.markdown) == markdown_shape(whole)
+
+
 # -- the engine process ------------------------------------------------------------------
 def engine_pid(backend) -> int:
     return os.getpid()
@@ -495,6 +557,39 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
     assert list(stats.step_tps) == pytest.approx([3.0, 1.0, 1.0])  # tokens of the step / its seconds
     assert stats.decode_tps == pytest.approx(6 / 4)
     assert stats.bandwidth == pytest.approx(1e9 * (3 / 4) / 100e9)  # 3 forwards in 4 s, not 6 tokens
+
+
+def test_a_fast_stream_reaches_the_ui_in_few_pipe_writes(monkeypatch):
+    """600 one-token steps at 300 tok/s: the text and the live figures go up the pipe together, at
+    most every TEXT_INTERVAL (each write wakes the UI's reader, a context switch the engine pays
+    for); every piece of text arrives once and in order, and the finish comes last."""
+    import tui.runner as runner_mod
+    from macinfer.core.outputs import StreamDelta
+    from tui.messages import ReplyFinished, ReplyText, StatsUpdate
+
+    clock = [10.0]
+    n = 600
+
+    def step():
+        clock[0] += 1 / 300
+        k = int(round((clock[0] - 10.0) * 300))
+        delta = StreamDelta("r", f"t{k} ", [k])
+        delta.finish_reason = "stop" if k == n else None
+        return [delta]
+
+    runner = _stats_runner(step=step, speculation=False)
+    posted = []
+    runner.post = posted.append
+    runner.live["r"] = runner_mod._Live("r", prompt_tokens=4, arrival=9.5)
+    monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: clock[0])
+    for _ in range(n):
+        runner._step()
+    messages = [m for p in posted for m in (p if isinstance(p, list) else [p])]
+    seconds = n / 300
+    assert len(posted) <= seconds / runner_mod.TEXT_INTERVAL + 2
+    assert "".join(m.text for m in messages if isinstance(m, ReplyText)) == "".join(f"t{k} " for k in range(1, n + 1))
+    assert 1 <= sum(isinstance(m, StatsUpdate) for m in messages) <= seconds / runner_mod.STATS_INTERVAL + 1
+    assert isinstance(messages[-1], ReplyFinished) and not runner.live
 
 
 def test_live_figures_at_a_clock_reading_of_zero():

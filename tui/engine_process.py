@@ -132,12 +132,13 @@ class EngineProcess:
         reported = False
         try:
             while True:
-                item = events.recv()
-                if isinstance(item, Returned):
-                    self._resolve(item)
-                    continue
-                reported = reported or isinstance(item, EngineStopped)
-                self.post(item)
+                items = events.recv()
+                for item in items if isinstance(items, list) else [items]:  # the runner batches a step's
+                    if isinstance(item, Returned):
+                        self._resolve(item)
+                        continue
+                    reported = reported or isinstance(item, EngineStopped)
+                    self.post(item)
         except Exception:  # EOFError, or a broken pipe: the child is gone
             pass
         finally:

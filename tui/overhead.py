@@ -21,6 +21,12 @@ compare.)
 
 The engine runs in its own process (tui.engine_process) because on a thread it
 shared the UI's GIL, and the UI's layout and Markdown work delayed its every step.
+What is left between the two is CPU on a machine with few cores and the pipe: each
+write wakes the UI's reader thread mid-step (so the engine batches what it posts, at
+most every tui.runner.TEXT_INTERVAL), and each Markdown append costs the UI a layout
+(so the reply shows new text in a plain tail and appends complete blocks at most every
+Reply.LAYOUT_INTERVAL). The UI rate also counts the reply's last append, which the
+user waits for after the last token.
 
 Prints both rates and the ratio per round, then the median ratio. Headless skips
 writing to a real terminal; the rest of the UI's work (layout, Markdown, rendering
@@ -115,15 +121,16 @@ def bare_stub(rate: float, n: int) -> float:
     return out.metrics.decode_tps
 
 
-async def in_tui_stub(rate: float, n: int) -> tuple[float, float, int]:
-    """(engine tok/s, UI tok/s, Markdown updates) of one reply in a headless ChatApp."""
+async def in_tui_stub(rate: float, n: int) -> tuple[float, float, object]:
+    """(engine tok/s, UI tok/s, the Reply widget: its Markdown appends and tail repaints) of one reply
+    in a headless ChatApp."""
     from tui.app import ChatApp
     from tui.stub import StubBackend
 
     app = ChatApp(max_tokens=n, make_backend=partial(StubBackend, rate=rate))
     finished_at, reply, m, first_token = await reply_in(app, timeout=60 + 4 * n / rate,
                                                         probe=attrgetter("first_token_time"))
-    return m.decode_tps, (m.generated_tokens - 1) / (finished_at - first_token), reply.updates
+    return m.decode_tps, (m.generated_tokens - 1) / (finished_at - first_token), reply
 
 
 def main_stub(rate: float, n: int, rounds: int) -> None:
@@ -132,10 +139,11 @@ def main_stub(rate: float, n: int, rounds: int) -> None:
     print(f"stub engine at {rate:g} tok/s, {n} tok per reply")
     for r in range(rounds):
         base = bare_stub(rate, n)
-        engine, ui, updates = asyncio.run(in_tui_stub(rate, n))
+        engine, ui, reply = asyncio.run(in_tui_stub(rate, n))
         ratios.append(ui / base)
         print(f"round {r + 1}: bare {base:7.1f} tok/s | TUI engine {engine:7.1f} tok/s ({engine / base:.3f}) | "
-              f"UI {ui:7.1f} tok/s | {updates} Markdown updates | UI/bare {ui / base:.3f}")
+              f"UI {ui:7.1f} tok/s | {reply.updates} Markdown appends, {reply.repaints} tail repaints | "
+              f"UI/bare {ui / base:.3f}")
     print(f"stub {rate:g} tok/s: median UI/bare ratio over {rounds} rounds: median {statistics.median(ratios):.2f}x")
 
 

@@ -9,14 +9,17 @@
 It runs on the main thread of the engine process (tui.engine_process starts it), so
 only that thread touches the backend and MLX, and nothing the UI does (layout,
 Markdown, garbage collection) holds its GIL. It never waits on the UI: `post` only
-writes to a pipe. Text and stats are posted at most every TEXT_INTERVAL /
-STATS_INTERVAL seconds so a fast model does not flood the UI (StatsUpdate also
-coalesces in the UI's queue); the reply widget then batches the text it shows
+writes to a pipe. Every write wakes the UI's reader thread, which on a busy machine
+costs the engine a context switch in the middle of its loop, so writes are few: text
+goes at most every TEXT_INTERVAL seconds, the live figures only along with it and at
+most every STATS_INTERVAL, and what one step has to say goes as one list (the reader
+posts its Messages in order). The reply widget then batches the text it shows
 (tui.widgets.transcript.Reply).
 """
 
 from __future__ import annotations
 
+import selectors
 import time
 import traceback
 from collections import deque
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)
 
-TEXT_INTERVAL = 1 / 20
+TEXT_INTERVAL = 0.08
 STATS_INTERVAL = 1 / 4
 SPARK_STEPS = 60
 
@@ -124,16 +127,21 @@ class EngineRunner:
 
     def run(self, commands: Connection) -> None:
         """Take commands from `commands` (one between two steps) until the UI closes it."""
+        # One selector for the whole loop: Connection.poll builds and registers a new one
+        # on every call, which between the steps of a fast model adds up.
+        waiting = selectors.DefaultSelector()
+        waiting.register(commands, selectors.EVENT_READ)
         try:
             while True:
                 busy = self.backend is not None and self.backend.has_unfinished()
-                if commands.poll(0 if busy else None):  # idle: sleep until a command (or EOF) comes
+                if waiting.select(0 if busy else None):  # idle: sleep until a command (or EOF) comes
                     self._handle(commands.recv())  # EOFError: the UI is done, or gone
                 elif busy:
                     self._step()
         except EOFError:
             pass
         finally:
+            waiting.close()
             if self.backend is not None:
                 self.backend.close()
                 self.backend = None
@@ -190,10 +198,9 @@ class EngineRunner:
         if self.backend is not None:
             self.backend.abort_request(request_id)
         if live is not None:
-            self._flush_text(live)
-            stats = self._stats(live, time.perf_counter())
-            self.last_stats = stats
-            self.post(ReplyFinished(request_id, "abort", stats))
+            now = time.perf_counter()
+            self.last_stats = stats = self._stats(live, now)
+            self.post([*self._take_text(live, now), ReplyFinished(request_id, "abort", stats)])
 
     def _set_option(self, cmd: SetOption) -> None:
         if self.backend is None:
@@ -223,44 +230,51 @@ class EngineRunner:
             traceback.print_exc()
             return
         now = time.perf_counter()
+        out: list = []  # this step's Messages, posted as one batch (one pipe write)
         for delta in deltas:
-            rid = delta.request_id
-            live = self.live.get(rid)
+            live = self.live.get(delta.request_id)
             if live is None:
                 continue
-            if delta.token_ids:
-                n = len(delta.token_ids)
-                if live.first_token is None:
-                    live.first_token = now
-                    live.metrics = self.backend.request_metrics(rid)
-                elif now > live.last_token:  # a new step: one step's deltas (its accepted drafts) share `now`
-                    live.steps += 1
-                    live.prev_step = live.last_token
-                    live.step_tps.append(n / (now - live.prev_step))
-                elif live.steps:  # more tokens of the same step
-                    live.step_tps[-1] += n / (now - live.prev_step)
-                live.last_token = now
-                live.tokens += n
-            if delta.text:
-                live.text.append(delta.text)
+            self._count(live, delta, now)
             if delta.finish_reason is not None:
-                del self.live[rid]
-                self._flush_text(live)
-                stats = self._stats(live, now, delta.output)
-                self.last_stats = stats
-                self.post(ReplyFinished(rid, delta.finish_reason, stats, delta.output))
-                continue
-            if now - live.text_posted >= TEXT_INTERVAL:
-                self._flush_text(live, now)
-            if now - live.stats_posted >= STATS_INTERVAL:
-                live.stats_posted = now
-                self.post(StatsUpdate(self._stats(live, now)))
+                del self.live[live.request_id]
+                out += self._take_text(live, now)
+                self.last_stats = stats = self._stats(live, now, delta.output)
+                out.append(ReplyFinished(live.request_id, delta.finish_reason, stats, delta.output))
+            elif now - live.text_posted >= TEXT_INTERVAL:  # text, and the figures with it when due
+                out += self._take_text(live, now)
+                if now - live.stats_posted >= STATS_INTERVAL:
+                    live.stats_posted = now
+                    out.append(StatsUpdate(self._stats(live, now)))
+        if out:
+            self.post(out if len(out) > 1 else out[0])
 
-    def _flush_text(self, live: _Live, now: float | None = None) -> None:
-        if live.text:
-            self.post(ReplyText(live.request_id, "".join(live.text)))
-            live.text.clear()
-        live.text_posted = now or time.perf_counter()
+    def _count(self, live: _Live, delta, now: float) -> None:
+        """Add a delta's tokens and text to the request's counters (`now`: when its step ended)."""
+        if delta.token_ids:
+            n = len(delta.token_ids)
+            if live.first_token is None:
+                live.first_token = now
+                live.metrics = self.backend.request_metrics(live.request_id)
+            elif now > live.last_token:  # a new step: one step's deltas (its accepted drafts) share `now`
+                live.steps += 1
+                live.prev_step = live.last_token
+                live.step_tps.append(n / (now - live.prev_step))
+            elif live.steps:  # more tokens of the same step
+                live.step_tps[-1] += n / (now - live.prev_step)
+            live.last_token = now
+            live.tokens += n
+        if delta.text:
+            live.text.append(delta.text)
+
+    def _take_text(self, live: _Live, now: float) -> list[ReplyText]:
+        """The text not posted yet, as a message (none if there is none)."""
+        live.text_posted = now
+        if not live.text:
+            return []
+        text = "".join(live.text)
+        live.text.clear()
+        return [ReplyText(live.request_id, text)]
 
     def _stats(self, live: _Live, now: float, output: RequestOutput | None = None) -> Stats:
         """Figures for the metrics panel; a finished output's own metrics win (same as `macinfer run`)."""

@@ -3,38 +3,87 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
-from textual.containers import VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 
+FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 
-class Reply(Markdown):
-    """An assistant reply, rendered as Markdown while it streams.
 
-    Text arrives faster than Textual can re-parse and re-lay-out Markdown on a fast
-    model. So `write` only queues the text, and a pump task appends what has queued
-    to the Markdown document at most every INTERVAL seconds, and further apart when an
-    update (append, layout, repaint: UI-thread CPU time) is costly, so that updates
-    take at most BUDGET of the UI thread's time and keys stay responsive. `finish`
-    appends whatever is left: the document then holds every piece written, in order
-    (`text`). NOTE: the engine runs in another process, so a larger BUDGET no longer
-    slows it; it leaves less text for `finish`, which the user waits for after the
-    last token.
+def complete_blocks(text: str) -> tuple[str, str]:
+    """Split Markdown `text` after its last blank line outside a code fence: (complete blocks, the rest).
+
+    A display heuristic only (the Markdown widget re-parses its last block on every
+    append, so any split gives the same document): it keeps a paragraph or code block
+    in progress out of the Markdown until it is whole.
+
+        complete_blocks("# Hi\\n\\nSome te") == ("# Hi\\n\\n", "Some te")
+    """
+    cut = text.rfind("\n\n")
+    while cut >= 0 and len(FENCE.findall(text, 0, cut)) % 2:  # inside a fence: look further back
+        cut = text.rfind("\n\n", 0, cut)
+    return (text[:cut + 2], text[cut + 2:]) if cut >= 0 else ("", text)
+
+
+class Reply(Vertical):
+    """An assistant reply: its text as it streams, its Markdown a few blocks at a time.
+
+    Laying out the screen after a Markdown update (and re-rendering it) costs the UI tens of
+    ms, more as the reply grows, and a fast model writes a line every 50 ms: so while the
+    reply streams, a pump task shows new text at most every INTERVAL seconds in two ways:
+
+    - in the tail, plain text below the Markdown: a repaint of that one widget, no layout
+      pass. Its height is that of its text at the last layout plus SLACK blank lines; a
+      line beyond them shows at the next layout.
+    - at a layout, at most every LAYOUT_INTERVAL seconds and further apart when one is
+      costly (so that layouts take at most BUDGET of the UI thread's time): the complete
+      blocks (complete_blocks) move from the tail to the Markdown document, and the tail
+      takes the height of what is left.
+
+    `finish` appends the rest and hides the tail: the document then holds every piece
+    written, in order (`text`). NOTE: the engine runs in another process; the UI's time
+    matters to it only as CPU taken from it on a machine with few cores.
     """
 
+    DEFAULT_CSS = """
+    Reply {
+        height: auto;
+    }
+    """
     INTERVAL = 0.05
+    LAYOUT_INTERVAL = 0.2
     BUDGET = 0.5
+    SLACK = 2
+    MAX_TAIL = 2000  # characters: a longer block in progress goes to the Markdown unfinished
 
     def __init__(self, **kwargs):
-        super().__init__("", classes="turn assistant", **kwargs)
+        super().__init__(**kwargs)
+        self.markdown = Markdown("", classes="turn assistant")
+        self.tail = Static("", markup=False, classes="reply-tail")
         self.chunks: list[str] = []  # every piece written, in order
-        self.pending: list[str] = []  # written, not yet in the Markdown document
+        self.pending: list[str] = []  # written, not yet in the Markdown document (the tail's text)
         self.updates = 0  # Markdown appends made
+        self.repaints = 0  # tail-only updates made
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._pump: asyncio.Task | None = None
+        self._layout_at = 0.0  # perf_counter time after which the next show may lay out
         self._finished = False
+
+    def compose(self):
+        yield self.markdown
+        yield self.tail
+
+    @property
+    def source(self) -> str:
+        """The Markdown document's source."""
+        return self.markdown.source
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
 
     def write(self, text: str) -> None:
         """Queue streamed text; the pump shows it soon (never blocks, never drops)."""
@@ -56,19 +105,36 @@ class Reply(Markdown):
             if delay > 0:
                 await asyncio.sleep(delay)
             self._wake.clear()
-            cpu = time.thread_time()
-            await asyncio.shield(self._append_pending())
-            await self.wait_for_refresh()  # the layout and repaint the append caused
-            cost = time.thread_time() - cpu
-            next_at = time.perf_counter() + max(self.INTERVAL, cost * (1 / self.BUDGET - 1))
+            await asyncio.shield(self.show(time.perf_counter()))
+            next_at = time.perf_counter() + self.INTERVAL
 
-    async def _append_pending(self) -> None:
+    async def show(self, now: float) -> None:
+        """Show the text written so far: in the tail, or at a layout (if one is due at `now`) in both."""
+        if not self.pending or not self.is_attached:  # (not after /clear took the reply off the screen)
+            return
+        if now < self._layout_at:
+            self._show_tail(layout=False)
+            return
+        cpu = time.thread_time()
         async with self._lock:
-            if self.pending and self.is_attached:  # (not after /clear took the reply off the screen)
-                text = "".join(self.pending)
-                self.pending.clear()
-                self.updates += 1
-                await self.append(text)
+            done, rest = complete_blocks("".join(self.pending))
+            if len(rest) > self.MAX_TAIL:
+                done, rest = done + rest, ""
+            self.pending[:] = [rest] if rest else []
+            if done:
+                await self._append(done)
+            self._show_tail(layout=True)
+        await self.wait_for_refresh()  # the layout and repaint this caused
+        cost = time.thread_time() - cpu
+        self._layout_at = now + max(self.LAYOUT_INTERVAL, cost * (1 / self.BUDGET - 1))
+
+    def _show_tail(self, layout: bool) -> None:
+        self.tail.update("".join(self.pending) + "\n" * self.SLACK, layout=layout)
+        self.repaints += not layout
+
+    async def _append(self, text: str) -> None:
+        self.updates += 1
+        await self.markdown.append(text)
 
     async def finish(self) -> str:
         """Stop streaming, with every written piece in the document; returns the whole reply text."""
@@ -80,16 +146,18 @@ class Reply(Markdown):
             except asyncio.CancelledError:
                 pass
             self._pump = None
-        await self._append_pending()  # after any append in flight (the lock), the rest
+        async with self._lock:  # after any append in flight, the rest
+            if self.is_attached:
+                if self.pending:
+                    text = "".join(self.pending)
+                    self.pending.clear()
+                    await self._append(text)
+                self.tail.display = False  # (not remove: that waits on the tail's message queue)
         return self.text
 
     def on_unmount(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
 
 
 class Transcript(VerticalScroll):
