@@ -24,7 +24,6 @@ CANDIDATES = (
 )
 
 loaded: str | None = None
-_lib: ctypes.CDLL | None = None
 
 
 def load_openblas() -> str | None:
@@ -33,7 +32,7 @@ def load_openblas() -> str | None:
     Returns:
         The path loaded, or None.
     """
-    global loaded, _lib
+    global loaded
     if loaded or not sys.platform.startswith("linux"):
         return loaded
     if os.environ.get("MACINFER_NO_OPENBLAS", "") not in ("", "0"):
@@ -44,26 +43,10 @@ def load_openblas() -> str | None:
     for path in CANDIDATES:
         if os.path.exists(path):
             try:
-                _lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
             loaded = path
             return path
     return None
 
-
-def set_threads(n: int) -> int | None:
-    """Set the preloaded OpenBLAS's thread count; returns the previous one (None: no OpenBLAS here).
-
-    Why: after a threaded call, OpenBLAS's idle workers spin for a while on the other cores. That is
-    free while the host waits for MLX, but not while the host builds the next step on the core they
-    take (macinfer.core.evaluator holds BLAS to one thread while launched steps run).
-    """
-    if _lib is None:
-        return None
-    try:
-        old = int(_lib.openblas_get_num_threads())
-        _lib.openblas_set_num_threads(ctypes.c_int(n))
-    except AttributeError:  # a BLAS without the OpenBLAS extensions
-        return None
-    return old

@@ -10,7 +10,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-import macinfer._blas as blas
 from macinfer.core import evaluator as ev_mod
 from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.sampling import SamplingParams
@@ -47,18 +46,6 @@ def test_an_error_in_a_job_is_raised_by_its_wait():
     with pytest.raises(RuntimeError, match="Stream"):
         job.wait()
     ev.drain()  # a failed job still counts as done: drain does not hang
-
-
-@pytest.mark.skipif(blas._lib is None, reason="no OpenBLAS preloaded here")
-def test_openblas_is_held_to_one_thread_until_drained():
-    before = blas.set_threads(2)
-    blas.set_threads(before)
-    ev = StepEvaluator(threaded=True)
-    with ev.context():
-        ev.launch([mx.ones((4,)) + 1])
-    assert blas.set_threads(1) == 1  # held (set_threads returns the count it replaces)
-    ev.drain()
-    assert blas.set_threads(before) == before  # given back
 
 
 def test_a_collected_evaluator_ends_its_worker_and_frees_its_stream():

@@ -24,7 +24,6 @@ Invariants in threaded mode:
   built only after `drain()` and launched inline, or the engine is not threaded at all.
 - Jobs run in launch order; a job drops its arrays once evaluated, so the next step's writes
   into the KV pools can reuse their buffers (a pool referenced twice would be copied).
-- OpenBLAS is held to one thread from the first launch to `drain()` (macinfer._blas.set_threads).
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ import threading
 import weakref
 
 import mlx.core as mx
-
-import macinfer._blas as _blas
 
 _free_streams: list = []  # thread-unsafe CPU streams of evaluators that are gone (MLX never frees one)
 _streams_lock = threading.Lock()
@@ -90,7 +87,6 @@ class StepEvaluator:
         self._lock = threading.Lock()
         self._box: list[threading.Thread | None] = [None]  # the worker thread, if running
         self._last: Job | None = None  # the newest job launched
-        self._blas_threads: int | None = None  # OpenBLAS's own count while held to one thread
         if threaded:
             weakref.finalize(self, _retire, self.stream, self._queue, self._box)
 
@@ -107,8 +103,6 @@ class StepEvaluator:
             assert self._last is None or not inline, "drain() before an inline launch"
             mx.async_eval(arrays)
             return None
-        if self._blas_threads is None:
-            self._blas_threads = _blas.set_threads(1) or 0
         job = Job(arrays)
         with self._lock:
             self._queue.put(job)
@@ -129,9 +123,6 @@ class StepEvaluator:
         last, self._last = self._last, None
         if last is not None:
             last.done.wait()  # an error is raised by the wait of the step it belongs to
-        if self._blas_threads:
-            _blas.set_threads(self._blas_threads)
-        self._blas_threads = None
 
     def _idle_exit(self) -> bool:
         """The worker's question after waiting in vain: may it end? (Yes if nothing was queued meanwhile.)"""
