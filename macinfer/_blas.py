@@ -49,4 +49,3 @@ def load_openblas() -> str | None:
             loaded = path
             return path
     return None
-
