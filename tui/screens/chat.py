@@ -22,6 +22,7 @@ from tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress,
 from tui.runner import Abort, Generate, Load, SetOption
 from tui.session import ChatSession
 from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
+from tui.widgets.server import ServerPanel
 from tui.widgets.transcript import Reply
 
 
@@ -75,6 +76,8 @@ class ChatScreen(Screen):
         self.query_one(LoadingBar).show(self.loading_what)
         if self.app.resumed_from:
             await self.show_resumed(self.app.resumed_from, self.app.model_spec)
+        if self.app.server:  # `chat --url`: the server's own figures, polled from its /metrics
+            await self.query_one(MetricsPanel).mount(ServerPanel(self.app.server, self.app.api_key, id="server"))
         self._show_status()
 
     # -- engine messages ------------------------------------------------------------
