@@ -86,6 +86,11 @@ async def test_reply_streams_from_the_server_and_equals_its_greedy_answer(served
         assert s["num_blocks"] == 64 and panel.figures["requests"] == "0 run, 0 wait"
         assert panel.figures["ranks"] == "1" and not str(panel.query_one("#server-ranks").render())
 
+        # /model asks the server for another model: one it does not serve is one line, the chat goes on.
+        await send(pilot, "/model nope")
+        await wait_for(pilot, lambda: f"still using {MODEL}" in notices(app), what="the refusal")
+        assert f"could not load nope: {url} does not serve nope: it serves {MODEL}" in notices(app)
+
 
 @pytest.mark.anyio
 async def test_escape_closes_the_stream_and_the_server_frees_the_request(served):
@@ -198,7 +203,7 @@ async def test_panel_shows_a_row_per_rank(page, monkeypatch):
         await wait_for(pilot, lambda: panel.figures, timeout=10, what="a scrape")
         lines = str(panel.query_one("#server-ranks").render()).splitlines()
         assert lines == ["2 ranks: memory, comm/fwd", " 0 1.5 GB  1.25 ms", " 1 225.0 MB  3.10 ms",
-                         "plan/step 1.50 ms"]
+                         "plan send 1.50 ms"]
 
 
 @pytest.mark.anyio

@@ -248,6 +248,10 @@ class ChatScreen(Screen):
         self._show_status()
 
     async def cmd_model(self, arg: str) -> None:
+        if not arg and self.app.server:
+            await self._notice(f"model: {self.model_name or 'none'} on {self.app.server}. "
+                               "/model NAME switches to another model it serves")
+            return
         if not arg:
             from macinfer.modelio.loader import read_catalog
 

@@ -94,6 +94,6 @@ class ServerPanel(Vertical):
         for r in f.per_rank:
             out.append(f"{r.rank:>2} ", style="dim")
             out.append(self.figures[f"rank {r.rank}"] + "\n")
-        out.append("plan/step ", style="dim")
+        out.append("plan send ", style="dim")  # rank 0's time per plan (idle heartbeats included)
         out.append(self.figures["plan"])
         return out
