@@ -123,8 +123,8 @@ class ChatScreen(Screen):
         self.query_one(MetricsPanel).update_stats(msg.stats)
         if self.request_id is not None and not self.cancelling:
             s = msg.stats
-            self._show_status(f"prefilling {s.prompt_tokens} prompt tokens: Esc cancels" if not s.generated_tokens
-                              else "generating: Esc cancels")
+            waiting = f"prefilling {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "waiting for the server"
+            self._show_status(f"{waiting}: Esc cancels" if not s.generated_tokens else "generating: Esc cancels")
 
     async def on_reply_finished(self, msg: ReplyFinished) -> None:
         if msg.request_id != self.request_id:
