@@ -84,7 +84,7 @@ async def test_reply_streams_from_the_server_and_equals_its_greedy_answer(served
         await wait_for(pilot, lambda: panel.figures.get("kv") == f"{s['used_blocks']} / {s['num_blocks']}",
                        what="a scrape after the reply")
         assert s["num_blocks"] == 64 and panel.figures["requests"] == "0 run, 0 wait"
-        assert panel.figures["ranks"] == "1" and not str(panel.query_one("#server-ranks").render())
+        assert panel.figures["ranks"] == "1" and not panel.query_one("#server-ranks").display
 
         # /model asks the server for another model: one it does not serve is one line, the chat goes on.
         await send(pilot, "/model nope")

@@ -79,11 +79,13 @@ class ServerPanel(Vertical):
         if error:
             note.update(Text(error, style="dim"))
             self.query_one("#server-engine", Figures).set_values(["n/a", "n/a"])
-            self.query_one("#server-ranks", Static).update("")
+            self.query_one("#server-ranks", Static).display = False
             return
         self.previous = f
         self.query_one("#server-engine", Figures).set_values([self.figures["kv"], self.figures["requests"]])
-        self.query_one("#server-ranks", Static).update(self._ranks(f))
+        ranks = self.query_one("#server-ranks", Static)
+        ranks.display = f.ranks > 1
+        ranks.update(self._ranks(f))
 
     def _ranks(self, f: scrape.ServerFigures) -> Text:
         """A row per rank (rank, memory, comm per forward) and rank 0's plan time; nothing on one rank."""
