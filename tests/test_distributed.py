@@ -280,7 +280,8 @@ def test_chat_under_mlx_launch_is_one_line(monkeypatch):
     monkeypatch.setenv("MLX_RANK", "1")
     r = CliRunner().invoke(main, ["chat"])
     assert r.exit_code == 1 and r.output.strip() == (
-        "Error: chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) or `macinfer run`")
+        "Error: chat runs in one process: under mlx.launch, use `macinfer serve` (rank 0 serves) or `macinfer run`, "
+        "and watch it with `macinfer chat --url`")
 
 
 def test_the_watchdog_ends_a_rank_stuck_in_a_collective_with_one_line():

@@ -13,6 +13,7 @@ from tui.backend import ChatBackend
 from tui.commands import COMMANDS
 from tui.engine_process import EngineProcess
 from tui.messages import EngineOutput
+from tui.remote import RemoteBackend, server_root
 from tui.runner import Load
 from tui.screens.chat import ChatScreen
 from tui.session import ChatSession
@@ -31,6 +32,8 @@ class ChatApp(App):
         engine_options: passed to the engine (e.g. kv_memory="2GB").
         make_backend: builds the backend for a MODEL spec in the engine process (tests inject
             their own): it must pickle, so a module-level function or a functools.partial.
+        url, api_key: chat with the model `model` (None: the first listed) on this OpenAI-compatible
+            server instead (tui.remote), and show its /metrics (tui.widgets.server).
     """
 
     CSS_PATH = "app.tcss"
@@ -41,11 +44,16 @@ class ChatApp(App):
                  system: str = "", temperature: float = 0.0, max_tokens: int = 512, seed: int | None = None,
                  engine_options: dict | None = None, session: ChatSession | None = None,
                  resumed_from: str | None = None,
-                 make_backend: Callable[[str | None], ChatBackend] | None = None):
+                 make_backend: Callable[[str | None], ChatBackend] | None = None,
+                 url: str | None = None, api_key: str | None = None):
         super().__init__()
         self.model_spec = model
         self.session = session or ChatSession(system=system, temperature=temperature, max_tokens=max_tokens, seed=seed)
         self.resumed_from = resumed_from
+        self.server = server_root(url) if url else None
+        self.api_key = api_key
+        if self.server:
+            make_backend = make_backend or partial(RemoteBackend, url=self.server, api_key=api_key)
         self.make_backend = make_backend or partial(ChatBackend, dequantize=dequantize, peak_bandwidth=peak_bandwidth,
                                                     **(engine_options or {}))
         self.chat = ChatScreen()

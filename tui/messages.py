@@ -44,6 +44,7 @@ class ModelCard:
     speculation: bool | None  # None: this engine cannot speculate
     attention: str = "reference"  # the engine's attention backend: "metal" or "reference"
     spec: str | None = None  # MODEL as it was asked for (None: the embedded default): what /save records
+    server: str | None = None  # the server it runs on (`chat --url`); None: loaded here
 
 
 @dataclass

@@ -223,11 +223,13 @@ class EngineRunner:
         try:
             deltas = self.backend.step()
         except Exception as e:  # a failing step must end the reply, not hang the UI
+            said = isinstance(e, MacinferError)  # a user's error (a server's refusal): its line is enough
             for rid in list(self.live):
                 self.live.pop(rid)
                 self.backend.abort_request(rid)
-                self.post(ReplyFailed(rid, f"{type(e).__name__}: {one_line(e)}"))
-            traceback.print_exc()
+                self.post(ReplyFailed(rid, one_line(e) if said else f"{type(e).__name__}: {one_line(e)}"))
+            if not said:
+                traceback.print_exc()
             return
         now = time.perf_counter()
         out: list = []  # this step's Messages, posted as one batch (one pipe write)

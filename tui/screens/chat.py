@@ -22,6 +22,7 @@ from tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress,
 from tui.runner import Abort, Generate, Load, SetOption
 from tui.session import ChatSession
 from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
+from tui.widgets.server import ServerPanel
 from tui.widgets.transcript import Reply
 
 
@@ -75,6 +76,8 @@ class ChatScreen(Screen):
         self.query_one(LoadingBar).show(self.loading_what)
         if self.app.resumed_from:
             await self.show_resumed(self.app.resumed_from, self.app.model_spec)
+        if self.app.server:  # `chat --url`: the server's own figures, polled from its /metrics
+            await self.query_one(MetricsPanel).mount(ServerPanel(self.app.server, self.app.api_key, id="server"))
         self._show_status()
 
     # -- engine messages ------------------------------------------------------------
@@ -120,8 +123,8 @@ class ChatScreen(Screen):
         self.query_one(MetricsPanel).update_stats(msg.stats)
         if self.request_id is not None and not self.cancelling:
             s = msg.stats
-            self._show_status(f"prefilling {s.prompt_tokens} prompt tokens: Esc cancels" if not s.generated_tokens
-                              else "generating: Esc cancels")
+            waiting = f"prefilling {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "waiting for the server"
+            self._show_status(f"{waiting}: Esc cancels" if not s.generated_tokens else "generating: Esc cancels")
 
     async def on_reply_finished(self, msg: ReplyFinished) -> None:
         if msg.request_id != self.request_id:
@@ -245,6 +248,10 @@ class ChatScreen(Screen):
         self._show_status()
 
     async def cmd_model(self, arg: str) -> None:
+        if not arg and self.app.server:
+            await self._notice(f"model: {self.model_name or 'none'} on {self.app.server}. "
+                               "/model NAME switches to another model it serves")
+            return
         if not arg:
             from macinfer.modelio.loader import read_catalog
 

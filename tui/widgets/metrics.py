@@ -84,7 +84,7 @@ class MetricsPanel(VerticalScroll):
         yield Sparkline([], id="decode-spark")
         yield Figures(["bandwidth"], id="bandwidth")
         yield Static(id="peak")
-        yield Static("Engine", classes="panel-title")
+        yield Static("Engine", classes="panel-title", id="engine-title")
         yield Figures(["KV used/free", "KV tokens", "prefix hit", "draft accept", "peak mem"], id="engine")
 
     def on_mount(self) -> None:
@@ -130,7 +130,9 @@ class MetricsPanel(VerticalScroll):
 
         if self.shown_card is not c or not self.shown_card:
             self.shown_card = c  # the card changes on load only: these may re-wrap, so they take a layout pass
-            if c is not None:
+            if c is not None and c.server:
+                self._show_remote(c)
+            elif c is not None:
                 self.query_one("#model-card", Static).update(Text.assemble(
                     (f["model"], "bold"), "\n", f["size"], "\n", f"{f['quantization']}, ctx {f['context']}",
                     "\n", f"attention: {c.attention}"))
@@ -140,3 +142,11 @@ class MetricsPanel(VerticalScroll):
         self.query_one("#bandwidth", Figures).set_values([f["bandwidth"]])
         self.query_one("#engine", Figures).set_values([
             f["kv_blocks"], f["kv_tokens"], f["prefix_hit"], f["acceptance"], f["peak_memory"]])
+
+    def _show_remote(self, c: ModelCard) -> None:
+        """A model on a server (`chat --url`): its name and context; the figures only the engine
+        can measure (bandwidth, this process's KV and memory) give way to the server section."""
+        ctx = ("\n", f"ctx {c.context_length} tok") if c.context_length else ()
+        self.query_one("#model-card", Static).update(Text.assemble((c.name, "bold"), *ctx))
+        for w in self.query("#bandwidth, #peak, #engine-title, #engine"):
+            w.display = False
