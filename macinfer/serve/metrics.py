@@ -119,6 +119,13 @@ _ENGINE_SERIES = [
 ]
 
 
+_RANK_SERIES = [  # (metric, help, kv_stats key of a list with one value per rank): across ranks only
+    ("macinfer_rank_active_memory_bytes", "Each rank's active MLX memory at the last plan", "rank_memory_bytes"),
+    ("macinfer_rank_comm_seconds", "Seconds one forward's collectives take on each rank, replayed alone "
+     "(the last replay; at most one a second)", "rank_comm_seconds"),
+]
+
+
 def _kv_stats(aengine) -> dict:
     # NOTE: read from the scrape thread without a lock: plain ints, at worst one step stale.
     kv_stats = getattr(aengine.engine, "kv_stats", None)
@@ -149,20 +156,13 @@ class _EngineCollector:
                     fam.add_metric(labels(name), value)
             if fam.samples:
                 yield fam
-        memory = GaugeMetricFamily("macinfer_rank_active_memory_bytes", "Each rank's active MLX memory at the "
-                                   "last plan", labels=["rank"] + model)
-        for name, _, stats in engines:
-            for rank, value in enumerate(stats.get("rank_memory_bytes", ())):
-                memory.add_metric(labels(name, str(rank)), value)
-        if memory.samples:
-            yield memory
-        comm = GaugeMetricFamily("macinfer_rank_comm_seconds", "Seconds one forward's collectives take on each "
-                                 "rank, replayed alone (the last replay; at most one a second)", labels=["rank"] + model)
-        for name, _, stats in engines:
-            for rank, value in enumerate(stats.get("rank_comm_seconds", ())):
-                comm.add_metric(labels(name, str(rank)), value)
-        if comm.samples:
-            yield comm
+        for metric, doc, key in _RANK_SERIES:
+            fam = GaugeMetricFamily(metric, doc, labels=["rank"] + model)
+            for name, _, stats in engines:
+                for rank, value in enumerate(stats.get(key, ())):
+                    fam.add_metric(labels(name, str(rank)), value)
+            if fam.samples:
+                yield fam
         ratio = GaugeMetricFamily("macinfer_draft_acceptance_ratio", "Accepted / drafted tokens so far", labels=model)
         for name, _, _ in engines:
             ratio.add_metric(labels(name), m.acceptance_ratio(name))
