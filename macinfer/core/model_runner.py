@@ -32,6 +32,7 @@ import mlx.nn as nn
 from macinfer.kv.model_probe import install_attention_patch
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
+from macinfer.kv.state_cache import StateStore, honours_lengths, layout_caches
 from macinfer.core.grammar import apply_masks
 from macinfer.core.evaluator import StepEvaluator
 from macinfer.core.lm_head import split_head
@@ -78,14 +79,10 @@ class ModelRunner:
         self.states = None
         self.pool_caches = self.caches  # every paged cache, flat (the prefix cache's disk tier reads them)
         if getattr(specs, "states", None):
-            from macinfer.kv.state_cache import StateStore, honours_lengths
-
             self.states = StateStore(specs)
             self.states.honours_lengths = honours_lengths(model)
             self.caches = self.states.model_caches(self.caches)
         elif getattr(specs, "layout", None):  # CacheLists of paged caches only (deepseek_v32's indexer)
-            from macinfer.kv.state_cache import layout_caches
-
             self.caches = layout_caches(specs.layout, self.caches)
         install_attention_patch(model)
         if specs:  # a model without attention layers (mamba2) has no RoPE to share

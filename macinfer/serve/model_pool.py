@@ -30,7 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import mlx.core as mx
+
+from macinfer.engine.config import default_kv_memory
 from macinfer.modelio.leases import Lease, take
+from macinfer.modelio.registry import find_model, list_models
 from macinfer.serve.async_engine import AsyncEngine
 from macinfer.serve.schemas import APIError
 from macinfer.units import fmt_bytes, parse_bytes
@@ -273,8 +277,6 @@ def _nbytes(m: ServedModel) -> int:
 
 def _free(engine: AsyncEngine) -> None:
     """Stop a model's engine thread and give its arrays' memory back (MLX keeps freed buffers cached)."""
-    import mlx.core as mx
-
     engine.shutdown()
     gc.collect()
     mx.clear_cache()
@@ -282,8 +284,6 @@ def _free(engine: AsyncEngine) -> None:
 
 def local_models() -> dict[str, int | None]:
     """{name: context length} of the models `macinfer ls` lists as downloaded (PoolOptions.discover)."""
-    from macinfer.modelio.registry import list_models
-
     return {m.name: m.context_length for m in list_models(include_catalog=False) if m.downloaded}
 
 
@@ -293,8 +293,5 @@ def estimate_bytes(spec: str, kv_memory: str | int | None) -> int:
     Quantised weights loaded as float take more than their files: the pool measures each model
     once loaded and unloads more if the estimate was short.
     """
-    from macinfer.engine.config import default_kv_memory
-    from macinfer.modelio.registry import find_model
-
     weights = find_model(spec).size_bytes or 0
     return weights + (parse_bytes(kv_memory, "the KV memory budget") if kv_memory else default_kv_memory(weights))
