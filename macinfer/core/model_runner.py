@@ -34,6 +34,7 @@ from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 from macinfer.kv.rope import install_shared_rope
 from macinfer.kv.state_cache import StateStore, honours_lengths, layout_caches
 from macinfer.core.grammar import apply_masks
+from macinfer.core.decode_graph import DecodeGraph
 from macinfer.core.evaluator import StepEvaluator
 from macinfer.core.lm_head import split_head
 from macinfer.core.logprobs import LogprobRows
@@ -91,6 +92,7 @@ class ModelRunner:
         # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
         self._body = self._head = None
+        self.decode_graph: DecodeGraph | None = None  # set by the engine where compiling pays (CPU backend)
         # Arrays evaluated with each forward (see the NOTE in execute_model): the hidden states a feature
         # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
         self._with_forward: list[mx.array] = []
@@ -237,14 +239,11 @@ class ModelRunner:
         alone = self.ctx.attention_fn is not None  # a kernel dispatch checks shape classes as the forward is built
         if alone:
             self.evaluator.drain()  # that evaluates: nothing may be evaluating beside it
-        starts = [s.num_computed_tokens for s in seqs]
-        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
-        if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
-            self.states.bind(seqs, [1] * len(seqs), 1)
-        if self.hidden_sink is None:
-            logits = self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]  # (B, V)
+        if self.decode_graph is not None and self.decode_graph.usable(seqs):
+            logits = self.decode_graph.logits(seqs, tokens)  # (B, V)
         else:
-            logits = self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
+            logits = self._decode_logits(seqs, tokens)
+
         index = [j for j, s in enumerate(seqs) if s.grammar is not None]
         held = None
         if index:
@@ -255,6 +254,16 @@ class ModelRunner:
         self.evaluator.launch([sampled, [c.state for c in self.caches], self._take_with_forward(),
                                logprob_rows.arrays(), [] if held is None else held.logits], inline=alone)
         return sampled, logprob_rows, held
+
+    def _decode_logits(self, seqs: list, tokens: mx.array) -> mx.array:
+        """The eager decode forward of launch_decode: (B, V)."""
+        starts = [s.num_computed_tokens for s in seqs]
+        self.set_context([s.block_table for s in seqs], starts, [1] * len(seqs), [s.num_prompt_tokens for s in seqs])
+        if self.states is not None:  # the rows' states may be the step in flight's lazy outputs: fine
+            self.states.bind(seqs, [1] * len(seqs), 1)
+        if self.hidden_sink is None:
+            return self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]
+        return self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
 
     def launch_held(self, seqs: list, held: HeldRows, sampled: mx.array, into: LogprobRows) -> mx.array:
         """Sample a launched decode's held rows, now that each one's matcher has consumed its input id.

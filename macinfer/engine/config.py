@@ -51,6 +51,9 @@ class EngineConfig:
             step's compute (module docstring); outputs are the same either way.
         eval_thread: evaluate launched decode steps on a worker thread (macinfer.core.evaluator);
             None: where that is what lets them overlap (MLX without Metal, one process).
+        compile_decode: run batched decode forwards as compiled graphs, traced once per shape
+            (macinfer.core.decode_graph); None: on MLX's CPU backend in one process, where each op's
+            dispatch cost dominates a step. Outputs are the same either way (checked at run time).
         state_snapshot_memory: models with recurrent state layers, prefix cache on: what the
             recurrent-state snapshots at block boundaries may hold (macinfer.core.state_snapshots),
             bytes or "256MB", out of the KV budget. None: one per state slot (max_num_seqs), at
@@ -76,6 +79,7 @@ class EngineConfig:
     attention: str = "auto"
     async_scheduling: bool = True
     eval_thread: bool | None = None
+    compile_decode: bool | None = None
     state_snapshot_memory: int | str | None = None
 
     def __post_init__(self):
@@ -85,8 +89,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
-        if self.eval_thread not in (None, True, False):
-            raise ValueError(f"eval_thread must be True, False or None, got {self.eval_thread!r}")
+        for name in ("eval_thread", "compile_decode"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(default_token_budget(mx.metal.is_available()), self.max_num_seqs)
 

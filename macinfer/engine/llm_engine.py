@@ -31,6 +31,7 @@ from functools import partial
 
 
 from macinfer.core.block_pool import BlockPool
+from macinfer.core.decode_graph import DecodeGraph
 from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.grammar import GrammarCompiler, advance
 from macinfer.errors import MacinferError
@@ -86,6 +87,8 @@ class LLMEngine(PipelinedSteps):
         self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                              kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
         self.runner.evaluator = _evaluator(config, ranks, model)
+        if _compiles_decode(config, ranks, model):
+            self.runner.decode_graph = DecodeGraph(self.runner)
         self.scheduler = self._make_scheduler(states, snapshots)
         from macinfer.kv.kernel_dispatch import select_attention
         from macinfer.kv.paged_attention import paged_attention
@@ -391,6 +394,14 @@ def _evaluator(config: EngineConfig, ranks, model) -> StepEvaluator:
     if threaded is None:
         threaded = ranks is None and threads_pay_off() and not forward_evaluates(model)
     return StepEvaluator(threaded and config.async_scheduling)
+
+
+def _compiles_decode(config: EngineConfig, ranks, model) -> bool:
+    """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default
+    on MLX's CPU backend in one process, for a model whose forward is lazy (tracing must not evaluate)."""
+    if config.compile_decode is False or not config.async_scheduling or ranks is not None or forward_evaluates(model):
+        return False
+    return bool(config.compile_decode) or threads_pay_off()
 
 
 def _logits_width(model, tokenizer) -> int:

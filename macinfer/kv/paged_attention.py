@@ -256,25 +256,36 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, chunk, pro
 def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, chunk, prompt, memo: dict):
     """Several rows: (k, v, mask) with every table padded to the longest with the null block, masked per row."""
     q_len = queries.shape[2]
+    slots = batch_slots(memo, block_tables, lens, bs)
+    # One take along the slot axis: (n_kv, B, S, D) -> (B, n_kv, S, D).
+    k, v = take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
+    return k, v, batch_mask(memo, lens, q_len, window, chunk, prompt)
+
+
+def batch_slots(memo: dict, block_tables, lens: list[int], bs: int, min_blocks: int = 0) -> mx.array:
+    """The (B, S) slot ids a batch gathers, each table padded with the null block to the longest
+    (or to min_blocks, if more: macinfer.core.decode_graph keeps shapes steady that way); once per forward."""
     if "tables" not in memo:
         if isinstance(block_tables, mx.array):
             memo["tables"] = block_tables
         else:
-            MB = max(-(-c // bs) for c in lens)
+            MB = max(min_blocks, max(-(-c // bs) for c in lens))
             memo["tables"] = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in block_tables], dtype=mx.int32)
     if "slots" not in memo:
         memo["slots"] = block_slots(memo["tables"], bs)  # (B, S)
-    slots = memo["slots"]
-    # One take along the slot axis: (n_kv, B, S, D) -> (B, n_kv, S, D).
-    k, v = take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
+    return memo["slots"]
+
+
+def batch_mask(memo: dict, lens: list[int], q_len: int, window, chunk, prompt=None) -> mx.array:
+    """(B, 1, q_len, S) which of `batch_slots`' keys each query sees (it hides the padding: pos < C); once per forward."""
     key_ = ("mask", window, chunk, q_len, prompt and prompt[0])
     if key_ not in memo:
-        S = k.shape[2]
+        S = memo["slots"].shape[1]
         ctx = mx.array(lens, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         pos = ctx - q_len + mx.arange(q_len, dtype=mx.int32)[None, :, None]  # (B, q_len, 1)
         key = mx.arange(S, dtype=mx.int32)[None, None, :]  # (1, 1, S)
-        memo[key_] = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]  # hides padding: pos < C  # (B, 1, q_len, S)
-    return k, v, memo[key_]
+        memo[key_] = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]
+    return memo[key_]
 
 
 def _sdpa(queries, k, v, *, scale, mask, sinks, softcap):

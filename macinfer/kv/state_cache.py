@@ -284,6 +284,14 @@ class StateStore:
             else:
                 self._where[slot] = before
 
+    def all_held(self, seqs: list) -> bool:
+        """Whether every one of these sequences has a state, every array of it set (none fresh)."""
+        for seq in seqs:
+            where = self._where.get(self.slot_of(seq))
+            if where is None or any(a is None for layer in where[0].arrays for a in layer):
+                return False
+        return True
+
     # -- snapshots (macinfer.core.state_snapshots) ----------------------------------------
     def snapshot(self, slot: int) -> list | None:
         """A copy of slot's state: [layer][k] arrays of shape (1, ...), each a buffer of its own.

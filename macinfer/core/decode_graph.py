@@ -1,0 +1,225 @@
+"""The batched decode forward as one compiled MLX graph, traced once per shape (CPU backend).
+
+On MLX's CPU backend every op of a step costs a few microseconds of dispatch whatever its
+size, and a small model's decode step is mostly that: hundreds of ops, most of them elementwise
+chains, broadcasts and reshapes, many from the fallbacks MLX uses for `mx.fast` ops without
+Metal (RMSNorm, RoPE, SDPA). `mx.compile` fuses
+those chains into single ops and drops the views, much as vLLM captures a CUDA graph of its
+decode step: traced once for a shape, replayed every step after.
+
+What a replay may depend on must be an input of the compiled function, never a value baked in
+while tracing. So everything a paged forward derives from the host's block tables is built
+before the call and handed in: the rows' rope offsets, their write slots, the padded slot table
+and the masks (`batch_slots`, `batch_mask`); the KV pools and the rows' recurrent states go
+in as inputs and come back as outputs. The batch is padded to `batch_bucket` rows (padding rows
+read and write the null block) and the slot table to `block_bucket` blocks, so that the shapes,
+and with them the trace, change rarely: a trace costs several eager builds.
+
+    host (each step)                       compiled (once per shape)
+    ─────────────────────────────────      ───────────────────────────────────────────
+    set_context / states.bind              model(tokens, cache=caches)  -> logits
+    offsets, write slots, slot table,      pools' writes, states' new values
+    masks, pools, states  ───inputs──▶     ───outputs──▶ set back on the caches
+
+Guards, since a wrong replay would be silent:
+- Only models whose every paged cache is a plain PagedKVCache (state layers: SlotCache), with
+  no kernel dispatch, no hidden-state sink, and batches of two rows or more (one row takes the
+  slice path, sized by host ints).
+- A trace that adds a memo entry the host did not build (the forward built an array from host
+  data: a prompt window, a kernel's tables) is discarded, and the model runs eagerly for good.
+- The first replay (not the tracing call, which computes what the eager forward would) is checked
+  against the eager forward on the same inputs, bit for bit (logits, pools and states); any
+  difference turns compiling off for the runner, with one log line. Fused elementwise kernels compute what the separate ops do here (MLX builds them without
+  -march, so no contracted multiply-adds), so the check passes where nothing was baked in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from macinfer.kv.paged_attention import batch_mask, batch_slots
+from macinfer.kv.paged_cache import PagedKVCache
+
+log = logging.getLogger("macinfer.core.decode_graph")
+
+MAX_GRAPHS = 32  # compiled shapes kept (least recently used dropped): each holds a traced graph
+_POOLS = ("k_pool", "v_pool")
+# Memo entries a traced forward may add itself: built from its inputs or from constants only.
+_PURE_MEMO = ("rope", "rope_full", "rope_perm", "cpu")
+
+
+class DecodeGraph:
+    """Runs a ModelRunner's batched decode forward through mx.compile where that is exact.
+
+    Args:
+        runner: the ModelRunner whose model, caches and ForwardContext the forward uses.
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.enabled = all(type(c) is PagedKVCache for c in runner.pool_caches)
+        self._fns: dict[tuple, object] = {}
+        self._checked = False
+        self.num_traces = 0  # how many shapes were traced (tests; a steady batch traces once per bucket)
+
+    def usable(self, seqs: list) -> bool:
+        """Whether this decode batch may run compiled: two rows or more (module docstring), each with a
+        state to pad beside, if the model has state layers."""
+        r = self.runner
+        return (self.enabled and len(seqs) > 1 and r.ctx.attention_fn is None and r.hidden_sink is None
+                and (r.states is None or r.states.all_held(seqs)))
+
+    def logits(self, seqs: list, tokens: mx.array) -> mx.array:
+        """The next-token logits (B, V) of one decode row per sequence; `tokens` (B,) are their input ids.
+
+        Sets the forward's context itself (ModelRunner.set_context, states.bind), with the batch padded
+        to `batch_bucket(B)` rows that read and write the null block only. The caches hold the
+        forward's pools and states afterwards, as an eager forward leaves them.
+        """
+        r, ctx = self.runner, self.runner.ctx
+        B = len(seqs)
+        pad = batch_bucket(B) - B
+        r.set_context([s.block_table for s in seqs] + [[0]] * pad, [s.num_computed_tokens for s in seqs] + [0] * pad,
+                      [1] * (B + pad), [s.num_prompt_tokens for s in seqs] + [1] * pad)
+        if r.states is not None:
+            r.states.bind(seqs, [1] * B, 1)
+        memo = self._host_memo()
+        keys = tuple(memo)
+        pools = [[getattr(c, a) for a in _POOLS] for c in r.pool_caches]
+        states = [] if r.states is None else [[_pad_rows(a, pad) for a in c.cache] for c in r.states.layers]
+        if pad:
+            tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
+        args = (tokens.reshape(-1, 1), ctx.offsets, [memo[k] for k in keys], pools, states)
+        key = (keys, B + pad, memo["slots"].shape[1])
+        fn = self._fns.pop(key, None) or mx.compile(self._traced(keys))
+        self._fns[key] = fn  # most recently used last
+        while len(self._fns) > MAX_GRAPHS:
+            self._fns.pop(next(iter(self._fns)))
+        traces = self.num_traces
+        try:
+            out = fn(*args)
+        except _NotPure:
+            self.enabled = False
+            log.info("decode forward not compiled: it builds arrays from host data while tracing")
+            self._restore(memo, pools, states)
+            out = self._eager(args, memo)
+        else:
+            if not self._checked and self.num_traces == traces:  # a replay: a baked host value would show now
+                out = self._check(out, args, memo)
+        ctx.offsets, ctx.memo = args[1], {}  # nothing after the call may read the trace's arrays
+        logits, pools, states = out
+        if pad:
+            logits, states = logits[:B], [[a[:B] for a in layer] for layer in states]
+        self._set(pools, states)
+        return logits
+
+    # -- the traced function -----------------------------------------------------------
+    def _traced(self, keys: tuple):
+        r = self.runner
+
+        def forward(tokens, offsets, memo_values, pools, states):
+            self.num_traces += 1  # runs while tracing only
+            ctx = r.ctx
+            ctx.offsets = offsets
+            memo = dict(zip(keys, memo_values))
+            self._restore(memo, pools, states)
+            logits = r.model(tokens, cache=r.caches)[:, -1, :]
+            if any(k not in keys and (not isinstance(k, tuple) or k[0] not in _PURE_MEMO) for k in ctx.memo):
+                raise _NotPure
+            return logits, *self._outputs()
+
+        return forward
+
+    def _host_memo(self) -> dict:
+        """What the forward would build from host data: write slots, the padded slot table, its masks."""
+        r, ctx = self.runner, self.runner.ctx
+        bs = r.block_size
+        memo: dict = {}
+        memo[("write_slots", bs)] = ctx.slot_blocks * bs + ctx.slot_offsets
+        need = max(-(-c // bs) for c in ctx.context_lens)
+        batch_slots(memo, ctx.block_tables, ctx.context_lens, bs, min_blocks=block_bucket(need))
+        for c in r.pool_caches:
+            batch_mask(memo, ctx.context_lens, 1, c.window, c.chunk)
+        return memo
+
+    # -- cache state in and out --------------------------------------------------------
+    def _outputs(self) -> tuple[list, list]:
+        r = self.runner
+        pools = [[getattr(c, a) for a in _POOLS] for c in r.pool_caches]
+        states = [] if r.states is None else [list(a) for a in r.states._current.arrays]
+        return pools, states
+
+    def _set(self, pools: list, states: list) -> None:
+        """Pools and states into the caches (and the states into the forward's batch: StateStore)."""
+        r = self.runner
+        for c, arrays in zip(r.pool_caches, pools):
+            for a, x in zip(_POOLS, arrays):
+                setattr(c, a, x)
+        if r.states is not None:
+            r.states._current.arrays = [list(a) for a in states]
+            for c, arrays in zip(r.states.layers, states):
+                c.cache = list(arrays)
+
+    def _restore(self, memo: dict, pools: list, states: list) -> None:
+        """The caches as they were before a call (a trace that failed left tracers in them)."""
+        self.runner.ctx.memo = dict(memo)
+        self._set(pools, states)
+
+    def _eager(self, args: tuple, memo: dict) -> tuple:
+        """The same forward without compiling: (logits, pools, states)."""
+        r = self.runner
+        tokens, r.ctx.offsets, _, pools, states = args
+        self._restore(memo, pools, states)
+        return r.model(tokens, cache=r.caches)[:, -1, :], *self._outputs()
+
+    def _check(self, out: tuple, args: tuple, memo: dict) -> tuple:
+        """The first compiled forward against the eager one on the same inputs: equal, or compiling stops."""
+        eager = self._eager(args, memo)
+        flat = lambda t: [x for x in _leaves(t)]  # noqa: E731
+        a, b = flat(out), flat(eager)
+        self.runner.evaluator.drain()  # nothing may evaluate beside a launched step (macinfer.core.evaluator)
+        mx.eval(a, b)
+        self._checked = True
+        if len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b)):
+            return out
+        self.enabled = False
+        log.info("decode forward not compiled: the compiled graph differs from the eager one on this model")
+        return eager
+
+
+def batch_bucket(n: int) -> int:
+    """Rows a decode batch of n is padded to: a power of two up to 8, then a multiple of 8.
+
+    A request joining or leaving then retraces only when the count crosses a bucket.
+    """
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 8) * 8
+
+
+def block_bucket(n: int) -> int:
+    """Blocks a slot table of n is padded to: a multiple of 8 up to 64, then of an eighth of the power of two
+    below n (at most 12.5% more keys read, and a few traces per doubling of the context)."""
+    if n <= 64:
+        return max(8, -(-n // 8) * 8)
+    step = (1 << (n.bit_length() - 1)) // 8
+    return -(-n // step) * step
+
+
+def _pad_rows(a: mx.array, pad: int) -> mx.array:
+    return mx.concatenate([a, mx.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+
+class _NotPure(Exception):
+    """A traced forward added a memo entry built from host data (see the module docstring)."""
+
+
+def _leaves(tree):
+    if isinstance(tree, mx.array):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _leaves(x)
+

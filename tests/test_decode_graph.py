@@ -1,0 +1,126 @@
+"""Compiled decode forwards (macinfer.core.decode_graph): the same tokens as mlx-lm, few traces, and the
+guards that turn compiling off when a replay could be wrong."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from test_engine import assert_all_free, oracle, run
+from test_hybrid import hybrid  # noqa: F401 - a fixture
+
+from macinfer.core.decode_graph import batch_bucket, block_bucket
+from macinfer.core.sampling import SamplingParams
+from macinfer.engine.llm_engine import LLMEngine
+from macinfer.kv.paged_cache import current_forward
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 24, 25)] == [2, 4, 4, 8, 8, 16, 16, 24, 24, 32]
+    assert [block_bucket(n) for n in (1, 8, 9, 64, 65, 72, 73, 128, 129, 1000)] == [8, 8, 16, 64, 72, 72, 80, 128, 144,
+                                                                                  1024]
+
+
+def _engine(model, tok, compile_decode=True, **kw):
+    return LLMEngine(model, tok, None, num_blocks=96, block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
+                     compile_decode=compile_decode, **kw)
+
+
+def _plan(vocab: int, seed: str):
+    """Staggered requests of several lengths: the decode batch grows, then shrinks through 8, 4 and 2 rows."""
+    rng = random.Random(seed)
+    lengths = [(0, 5, 30), (0, 19, 12), (0, 8, 22), (1, 11, 26), (2, 30, 9), (9, 7, 14)]
+    return [(step, [rng.randrange(3, vocab) for _ in range(n)], SamplingParams(max_tokens=m, ignore_eos=True), str(i))
+            for i, (step, n, m) in enumerate(lengths)]
+
+
+def _spy(engine):
+    """The decode batches the compiled graph ran: (rows, blocks of the longest context) each."""
+    graph, calls, bs = engine.runner.decode_graph, [], engine.runner.block_size
+    logits = graph.logits
+
+    def spy(seqs, tokens):
+        calls.append((len(seqs), max(-(-(s.num_computed_tokens + 1) // bs) for s in seqs)))
+        return logits(seqs, tokens)
+
+    graph.logits = spy
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "mamba2"])
+def test_compiled_decode_equals_mlx_lm(load, hybrid, arch):
+    model, tok = load(arch) if arch == "llama" else hybrid(arch)[1:]
+    vocab = 323  # tests/tiny.py's
+    plan = _plan(vocab, arch)
+    engine = _engine(model, tok)
+    calls = _spy(engine)
+    got = run(engine, plan)
+    assert_all_free(engine)
+    for _, prompt, params, rid in plan:
+        assert got[rid][0].token_ids == oracle(model, prompt, params.max_tokens)[0], rid
+    graph = engine.runner.decode_graph
+    assert graph.enabled and graph._checked  # its first replay matched the eager forward bit for bit
+    assert len(calls) > 20 and {batch_bucket(n) for n, _ in calls} >= {2, 4, 8}
+    # One trace per (batch bucket, block bucket) met, not one per shape.
+    assert graph.num_traces == len({(batch_bucket(n), block_bucket(b)) for n, b in calls}) < len(set(calls))
+
+
+class _HostValue(nn.Module):
+    """The final norm, plus a value read from the host's block tables: what a trace would bake in."""
+
+    def __init__(self, norm, via_memo: bool):
+        super().__init__()
+        self.norm, self.via_memo = norm, via_memo
+
+    def __call__(self, h):
+        ctx = current_forward()
+        if ctx is None or h.shape[1] != 1:
+            return self.norm(h)
+        extra = mx.array(float(ctx.context_lens[0] % 3), dtype=h.dtype)
+        if self.via_memo:
+            ctx.memo[("host",)] = extra
+        return self.norm(h) + extra
+
+
+@pytest.mark.parametrize("via_memo", [False, True], ids=["baked", "memo"])
+def test_a_forward_reading_host_data_runs_eagerly(load, via_memo):
+    """Caught either by the memo check while tracing or by the bit-for-bit check of the first replay."""
+    model, tok = load("llama")
+    norm = model.model.norm
+    model.model.norm = _HostValue(norm, via_memo)
+    try:
+        plan = _plan(model.args.vocab_size, "host")
+        want = run(_engine(model, tok, compile_decode=False), plan)
+        engine = _engine(model, tok)
+        calls = _spy(engine)
+        got = run(engine, plan)
+    finally:
+        model.model.norm = norm
+    assert {rid: o[0].token_ids for rid, o in got.items()} == {rid: o[0].token_ids for rid, o in want.items()}
+    assert not engine.runner.decode_graph.enabled
+    assert len(calls) == (1 if via_memo else 2)  # off at the trace (memo) or after the first replay (baked)
+
+
+def test_pools_are_written_in_place(load):
+    """The pools go in and come out of the compiled graph: a step must not copy them."""
+    model, tok = load("llama")
+    engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=4, compile_decode=True)
+    for i in range(4):
+        engine.add_request(list(range(3, 40 + i)), SamplingParams(max_tokens=12, ignore_eos=True), request_id=str(i))
+    for _ in range(3):
+        engine.step()
+    engine.runner.evaluator.drain()
+    mx.reset_peak_memory()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.decode_graph.num_traces >= 1
+    assert mx.get_peak_memory() < 1.25 * engine.runner.kv_bytes
+
+
+def test_option_is_validated(load):
+    model, tok = load("llama")
+    with pytest.raises(ValueError, match="compile_decode"):
+        LLMEngine(model, tok, None, num_blocks=8, compile_decode="yes")
+    assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=False).runner.decode_graph is None
