@@ -113,10 +113,11 @@ def test_pools_are_written_in_place(load):
         engine.step()
     engine.runner.evaluator.drain()
     mx.reset_peak_memory()
+    before = mx.get_active_memory()  # the pools and whatever else the session holds
     while engine.has_unfinished():
         engine.step()
     assert engine.runner.decode_graph.num_traces >= 1
-    assert mx.get_peak_memory() < 1.25 * engine.runner.kv_bytes
+    assert mx.get_peak_memory() - before < 0.25 * engine.runner.kv_bytes  # a copy of the pools would add all of it
 
 
 def test_option_is_validated(load):
