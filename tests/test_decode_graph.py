@@ -120,8 +120,14 @@ def test_pools_are_written_in_place(load):
     assert mx.get_peak_memory() - before < 0.25 * engine.runner.kv_bytes  # a copy of the pools would add all of it
 
 
-def test_option_is_validated(load):
+def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypatch):
+    import macinfer.core.decode_graph as decode_graph
+
     model, tok = load("llama")
     with pytest.raises(ValueError, match="compile_decode"):
         LLMEngine(model, tok, None, num_blocks=8, compile_decode="yes")
     assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=False).runner.decode_graph is None
+    assert LLMEngine(model, tok, None, num_blocks=8).runner.decode_graph is not None  # no Metal here
+    monkeypatch.setattr(decode_graph, "SMALL_MODEL_BYTES", 1 << 10)
+    assert LLMEngine(model, tok, None, num_blocks=8).runner.decode_graph is None
+    assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=True).runner.decode_graph is not None

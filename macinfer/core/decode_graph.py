@@ -38,16 +38,26 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from macinfer.kv.paged_attention import batch_mask, batch_slots
 from macinfer.kv.paged_cache import PagedKVCache
 
 log = logging.getLogger("macinfer.core.decode_graph")
 
+# Left to `auto`, only models up to this many bytes of weights compile: the fused CPU kernels are
+# scalar loops, so what the fusion saves in dispatch is lost again on wide activations
+# (docs/platform.md#cpu-compile has the crossover as measured).
+SMALL_MODEL_BYTES = 48 << 20
 MAX_GRAPHS = 32  # compiled shapes kept (least recently used dropped): each holds a traced graph
 _POOLS = ("k_pool", "v_pool")
 # Memo entries a traced forward may add itself: built from its inputs or from constants only.
 _PURE_MEMO = ("rope", "rope_full", "rope_perm", "cpu")
+
+
+def pays_off(model) -> bool:
+    """Whether compiling the decode forward is expected to pay: a small model (SMALL_MODEL_BYTES)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) <= SMALL_MODEL_BYTES
 
 
 class DecodeGraph:

@@ -52,8 +52,9 @@ class EngineConfig:
         eval_thread: evaluate launched decode steps on a worker thread (macinfer.core.evaluator);
             None: where that is what lets them overlap (MLX without Metal, one process).
         compile_decode: run batched decode forwards as compiled graphs, traced once per shape
-            (macinfer.core.decode_graph); None: on MLX's CPU backend in one process, where each op's
-            dispatch cost dominates a step. Outputs are the same either way (checked at run time).
+            (macinfer.core.decode_graph); None: on MLX's CPU backend in one process, for a small model
+            (each op's dispatch cost dominates its step). Outputs are the same either way (checked at
+            run time).
         state_snapshot_memory: models with recurrent state layers, prefix cache on: what the
             recurrent-state snapshots at block boundaries may hold (macinfer.core.state_snapshots),
             bytes or "256MB", out of the KV budget. None: one per state slot (max_num_seqs), at

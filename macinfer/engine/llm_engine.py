@@ -31,7 +31,7 @@ from functools import partial
 
 
 from macinfer.core.block_pool import BlockPool
-from macinfer.core.decode_graph import DecodeGraph
+from macinfer.core.decode_graph import DecodeGraph, pays_off as decode_graph_pays_off
 from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.grammar import GrammarCompiler, advance
 from macinfer.errors import MacinferError
@@ -397,11 +397,12 @@ def _evaluator(config: EngineConfig, ranks, model) -> StepEvaluator:
 
 
 def _compiles_decode(config: EngineConfig, ranks, model) -> bool:
-    """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default
-    on MLX's CPU backend in one process, for a model whose forward is lazy (tracing must not evaluate)."""
+    """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default on
+    MLX's CPU backend in one process for a small model; never for a forward that evaluates as it is
+    built (tracing must not evaluate)."""
     if config.compile_decode is False or not config.async_scheduling or ranks is not None or forward_evaluates(model):
         return False
-    return bool(config.compile_decode) or threads_pay_off()
+    return bool(config.compile_decode) or (threads_pay_off() and decode_graph_pays_off(model))
 
 
 def _logits_width(model, tokenizer) -> int:
