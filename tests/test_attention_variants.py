@@ -119,6 +119,10 @@ PLAMO2 = ARCH_CONFIGS["plamo2"]
 MINISTRAL3 = ARCH_CONFIGS["ministral3"]
 # Sliding layers whose mask is one token wider than their RotatingKVCache (paged_attention: prompt window).
 PLAMO3 = ARCH_CONFIGS["plamo3"]
+# Two passes over its layers; the second attends globally to the first pass's K/V and locally within a
+# window of its own (8 here, so that the prompts outrun it).
+LOOPCODER = {**ARCH_CONFIGS["iquestloopcoder"], "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
+             "loop_window_size": 8}
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
@@ -128,7 +132,8 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "bailing_moe_v3": (BAILING_MOE_V3, 0.3, 0.0), "ministral3": (MINISTRAL3, 0.3, 0.0),
             "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
             "plamo2": (PLAMO2, 0.1, 1.0), "afm7": (AFM7, 0.3, 0.0),
-            "deepseek_v32": (DEEPSEEK_V32, 0.3, 0.0), "longcat_flash": (LONGCAT_FLASH, 0.3, 0.0)}
+            "deepseek_v32": (DEEPSEEK_V32, 0.3, 0.0), "longcat_flash": (LONGCAT_FLASH, 0.3, 0.0),
+            "iquestloopcoder": (LOOPCODER, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -207,7 +212,8 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
 @pytest.mark.parametrize("name,shared,cached", [("gemma2", 30, 28), ("gemma4_text", 30, 28), ("deepseek_v3", 30, 28),
                                                 ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
                                                 ("kimi_linear", 36, 36), ("plamo2", 36, 36), ("afm7", 30, 28),
-                                                ("deepseek_v32", 30, 28), ("longcat_flash", 30, 28)])
+                                                ("deepseek_v32", 30, 28), ("longcat_flash", 30, 28),
+                                                ("iquestloopcoder", 30, 28)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -225,6 +231,16 @@ def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
                            (30, q, SamplingParams(max_tokens=12, ignore_eos=True), "b")])
     assert results["b"][0].metrics.cached_tokens == cached
     assert [results[k][0].token_ids for k in "ab"] == [oracle(model, x, 12)[0] for x in (p, q)]
+
+
+def test_loopcoder_window_and_first_pass_are_what_decide(family):
+    """The second pass's window bites (a wider one changes the tokens); its global attention reads the first
+    pass's K/V, so its caches page only the window's layers' own K/V beside the first pass's."""
+    model, _ = family("iquestloopcoder")
+    wide, _ = family("iquestloopcoder", loop_window_size=1000)
+    prompts = prompts_for("iquestloopcoder")
+    assert any(oracle(model, p, 16)[0] != oracle(wide, p, 16)[0] for p in prompts)
+    assert [s.window for s in inspect_model(model, "iquestloopcoder")] == [None, None, 8, 8]
 
 
 def test_gemma2_softcap_is_what_decides(family):

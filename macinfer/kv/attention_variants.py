@@ -236,6 +236,52 @@ class _AFMModel:
         return self.output_norm(h)
 
 
+class _LoopCoderModel:
+    """iquestloopcoder's body on paged caches: its second loop's global attention reads the first loop's pools.
+
+    mlx-lm runs the layers twice. The second pass attends twice per layer: globally, over the K/V
+    the first pass wrote (handed to sdpa with the second pass's own cache), then locally, over its
+    own sliding-window cache. Paged, the global call gets a SharedKVView of the first pass's
+    cache (the pools it must read; a paged sdpa reads its cache's pools, not the keys passed),
+    and inspect_model does not count it (it adds no cache). Otherwise mlx-lm's code, line for line.
+    """
+
+    def __call__(self, inputs, cache=None):
+        if cache is None:
+            return super().__call__(inputs, cache)
+        B, L = inputs.shape[:2]
+        h = self.embed_tokens(inputs)
+        n = len(self.layers)
+        mask = _loop_mask(h, cache[0])
+        window_mask = _loop_mask(h, cache[n], window_size=self.loop_window_size)
+        first = []
+        for layer, c in zip(self.layers, cache):
+            q1, k1, v1 = layer.self_attn.get_qkv(layer.input_layernorm(h), c.offset)
+            k1, v1 = c.update_and_fetch(k1, v1)
+            first.append((c, k1, v1))
+            out = layer.self_attn.attention(q1, k1, v1, mask, cache=c)
+            h = h + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for layer, gate_proj, c, (c1, k1, v1) in zip(self.layers, self.gate_projections, cache[n:], first):
+            q2, k2, v2 = layer.self_attn.get_qkv(layer.input_layernorm(h), c.offset)
+            gate = gate_proj(q2)
+            with _unprobed():
+                attn_global = layer.self_attn.attention(
+                    q2, k1, v1, mask, cache=SharedKVView(c1) if isinstance(c1, PagedKVCache) else c)
+            k2, v2 = c.update_and_fetch(k2, v2)
+            attn_local = layer.self_attn.attention(q2, k2, v2, window_mask, cache=c)
+            mixed = gate * attn_global + (1 - gate) * attn_local
+            h = h + layer.self_attn.o_proj(mixed.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+
+def _loop_mask(h, cache, window_size=None):
+    from mlx_lm.models.base import create_attention_mask
+
+    return create_attention_mask(h, cache, window_size=window_size)
+
+
 class _AFMKVReuseAttention:
     """afm7's KVReuseAttention over a SharedKVView (from _AFMModel); mlx-lm's own for dense K/V."""
 
@@ -466,6 +512,7 @@ _VARIANTS = {
     "mlx_lm.models.gemma3n": {"Gemma3nAttention": _Gemma3nAttention},
     "mlx_lm.models.plamo2": {"Attention": _Plamo2Attention},
     "mlx_lm.models.afm7": {"AFMModel": _AFMModel, "KVReuseAttention": _AFMKVReuseAttention},
+    "mlx_lm.models.iquestloopcoder": {"IQuestLoopCoderModel": _LoopCoderModel},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
