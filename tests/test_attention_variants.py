@@ -123,6 +123,9 @@ PLAMO3 = ARCH_CONFIGS["plamo3"]
 # window of its own (8 here, so that the prompts outrun it).
 LOOPCODER = {**ARCH_CONFIGS["iquestloopcoder"], "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
              "loop_window_size": 8}
+# longcat_flash's two MLAs per layer, under an n-gram embedding that keeps the last n - 1 token ids as
+# its state (a token window: started from zeros in a fixed-size slot).
+LONGCAT_NGRAM = ARCH_CONFIGS["longcat_flash_ngram"]
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
@@ -133,7 +136,7 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
             "plamo2": (PLAMO2, 0.1, 1.0), "afm7": (AFM7, 0.3, 0.0),
             "deepseek_v32": (DEEPSEEK_V32, 0.3, 0.0), "longcat_flash": (LONGCAT_FLASH, 0.3, 0.0),
-            "iquestloopcoder": (LOOPCODER, 0.3, 0.0)}
+            "iquestloopcoder": (LOOPCODER, 0.3, 0.0), "longcat_flash_ngram": (LONGCAT_NGRAM, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -213,7 +216,7 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
                                                 ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
                                                 ("kimi_linear", 36, 36), ("plamo2", 36, 36), ("afm7", 30, 28),
                                                 ("deepseek_v32", 30, 28), ("longcat_flash", 30, 28),
-                                                ("iquestloopcoder", 30, 28)])
+                                                ("iquestloopcoder", 30, 28), ("longcat_flash_ngram", 36, 36)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -241,6 +244,17 @@ def test_loopcoder_window_and_first_pass_are_what_decide(family):
     prompts = prompts_for("iquestloopcoder")
     assert any(oracle(model, p, 16)[0] != oracle(wide, p, 16)[0] for p in prompts)
     assert [s.window for s in inspect_model(model, "iquestloopcoder")] == [None, None, 8, 8]
+
+
+def test_token_window_state_from_zeros_matches_mlx_lm_for_short_prompts(family):
+    """Prompts shorter than the n-gram's window (where mlx-lm's state is shorter than the slot) batched
+    with longer ones: the zero-filled window gives mlx-lm's tokens."""
+    model, tok = family("longcat_flash_ngram")
+    spec = inspect_model(model, "longcat_flash_ngram").states[0]
+    assert spec.fresh_zeros and spec.shapes == [(model.model.ngram_embeddings.n - 1,)]
+    prompts = [[11], [12, 13], prompts_for("longcat_flash_ngram")[1], [14]]
+    _, got = serve(model, tok, prompts, num_blocks=80)
+    assert got == [oracle(model, p, 16)[0] for p in prompts]
 
 
 def test_gemma2_softcap_is_what_decides(family):
@@ -379,13 +393,14 @@ def test_indexer_pages_beside_the_latent(family):
     assert len(engine.runner.caches) == cfg["num_hidden_layers"] and len(engine.runner.pool_caches) == len(specs)
 
 
-def test_state_that_grows_is_refused(tmp_path):
-    """longcat_flash_ngram's ArraysCache keeps the last n-1 token ids (fewer at first): no fixed slot fits it."""
-    import mlx_lm
-
+def test_state_that_grows_is_refused(family, monkeypatch):
+    """A state that keeps the last n-1 token ids, fewer at first, fits no fixed slot unless it is known to be a
+    token window that may start from zeros (longcat_flash_ngram's is: kv.state_cache.token_windows)."""
     from macinfer.errors import MacinferError
+    from macinfer.kv import model_probe
 
-    model, tok = mlx_lm.load(str(build_model(tmp_path / "ngram", ARCH_CONFIGS["longcat_flash_ngram"], 0.3)))
+    model, _ = family("longcat_flash_ngram")
+    monkeypatch.setattr(model_probe, "token_windows", lambda model, states: {})
     with pytest.raises(MacinferError, match="^longcat_flash_ngram: a recurrent layer's state changes size"):
         inspect_model(model, "longcat_flash_ngram")
 

@@ -29,6 +29,11 @@ code for anything else (so mlx-lm keeps working on the same model object):
   wrong for a left-padded row of mlx-lm's BatchGenerator). The body is subclassed to hand them a
   SharedKVView instead, and they rotate at each row's position.
 
+- iquestloopcoder: runs its layers twice; the second pass attends globally over the K/V the first
+  pass wrote (mlx-lm hands sdpa those keys with the second pass's own cache) and locally over
+  its own sliding window. The body is subclassed to hand the global call a SharedKVView of the
+  first pass's cache.
+
 - plamo2: its attention calls mx.fast.scaled_dot_product_attention itself; the subclass runs
   mlx-lm's code up to that call and sends it to paged attention.
 

@@ -21,7 +21,7 @@ from macinfer.errors import MacinferError
 from macinfer.kv import paged_cache as _pc
 from macinfer.kv.attention_variants import batched_offsets_work, install_attention_variants
 from macinfer.kv.paged_cache import LayerSpec, paged_sdpa
-from macinfer.kv.state_cache import ModelSpecs, split_caches, state_specs
+from macinfer.kv.state_cache import ModelSpecs, split_caches, state_specs, token_windows
 
 
 def install_attention_patch(model: nn.Module) -> int:
@@ -62,6 +62,10 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         if isinstance(c, RotatingKVCache) and c.keep:
             raise MacinferError(f"{model_type}: attention-sink caches (keep={c.keep}) are not supported")
     install_attention_patch(model)
+    windows = token_windows(model, states)
+    for c in states:  # a token window starts full of zeros (token_windows): then its size is fixed
+        if id(c) in windows:
+            c[0] = mx.zeros((1, windows[id(c)]), dtype=mx.int64)
     _pc.probe_calls = []
     try:
         model(mx.array([[0, 0]]), cache=model_caches)  # lazy: only shapes are computed
@@ -86,12 +90,12 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         specs.append(LayerSpec(n_kv_heads=kshape[1], k_head_dim=kshape[3], v_head_dim=vshape[3], window=window,
                                dtype=dtype, chunk=chunk))
     lists = any(entry[0] == "kvlist" for entry in layout)
-    return ModelSpecs(specs, state_specs(states, model_type), layout) if states or lists else specs
+    return ModelSpecs(specs, state_specs(states, model_type, windows), layout) if states or lists else specs
 
 
 def _refuse_growing_states(model: nn.Module, model_caches: list, states: list, model_type: str) -> None:
     """A state slot has a fixed size: refuse a layer whose state grows with the tokens it has seen
-    (longcat_flash_ngram keeps the last n-1 token ids, fewer at first). One more lazy forward."""
+    (a token window not started full, see token_windows). One more lazy forward."""
     before = [[a.shape for a in c.cache] for c in states]
     try:
         model(mx.array([[0, 0, 0, 0]]), cache=model_caches)

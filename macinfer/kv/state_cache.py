@@ -26,7 +26,8 @@ arrays are dropped once no slot refers to them, so the memory held is about the 
 sequences' states (what the engine reserves in its budget: `bytes_per_slot` x max_num_seqs).
 
 A fresh sequence has no state: when every row of a forward is fresh the layers get None, the
-path mlx-lm takes for a new prompt; fresh rows among others get zeros, which the layers treat
+path mlx-lm takes for a new prompt (zeros for a token window, `token_windows`); fresh rows among
+others get zeros, which the layers treat
 the same (each layer starts from a zero conv window and a zero recurrent state when it has none).
 
 Models whose state layers ignore `lengths` (mamba v1, nemotron_h, ...) are detected with a small
@@ -56,6 +57,7 @@ class StateSpec:
 
     shapes: list[tuple[int, ...]]
     dtypes: list[mx.Dtype]
+    fresh_zeros: bool = False  # a fresh row starts from zeros, never None (a token window: token_windows)
 
     @property
     def nbytes(self) -> int:
@@ -110,15 +112,35 @@ def split_caches(caches: list, model_type: str) -> tuple[list, list, list[tuple]
     return kv, states, layout
 
 
-def state_specs(states: list, model_type: str) -> list[StateSpec]:
-    """The StateSpecs of the state caches after the (lazy) probe forward filled them."""
+def state_specs(states: list, model_type: str, windows: dict | None = None) -> list[StateSpec]:
+    """The StateSpecs of the state caches after the (lazy) probe forward filled them; `windows`
+    (token_windows) marks the layers whose fresh rows start from zeros."""
     out = []
     for c in states:
         if not c.cache or any(a is None for a in c.cache):
             raise MacinferError(f"{model_type}: a recurrent layer left part of its ArraysCache empty after a forward; "
                                 "cannot size its state")
-        out.append(StateSpec([tuple(a.shape[1:]) for a in c.cache], [a.dtype for a in c.cache]))
+        out.append(StateSpec([tuple(a.shape[1:]) for a in c.cache], [a.dtype for a in c.cache],
+                             fresh_zeros=id(c) in (windows or {})))
     return out
+
+
+def token_windows(model, states: list) -> dict[int, int]:
+    """State layers that keep the last few token ids (longcat_flash_ngram's n-gram embedding): id(cache) -> width.
+
+    Such a state holds up to n - 1 ids, fewer while a sequence has seen fewer tokens, so it has no
+    fixed size as mlx-lm keeps it. Started from n - 1 zeros instead it always has n - 1, and the
+    tokens come out the same: the embedding shifts its context right with zeros filled in
+    (`_shift_right`), so a position before the sequence's start reads 0 either way, and only the
+    last n - 1 ids are kept. (A position i of the new tokens, s ids of state before them, shifted
+    by k <= n - 1: unpadded it reads context[s + i - k], or 0 where that index is negative; after
+    n - 1 - s zeros it reads the same index of the same ids, or one of those zeros.)
+    """
+    body = getattr(model, "model", None)
+    ngram = getattr(body, "ngram_embeddings", None)
+    if type(ngram).__module__ != "mlx_lm.models.longcat_flash_ngram" or not states:
+        return {}
+    return {id(states[0]): int(ngram.n) - 1}  # cache[0] of its make_cache: the n-gram's ArraysCache(size=1)
 
 
 class SlotCache(ArraysCache):
@@ -243,8 +265,9 @@ class StateStore:
 
     def _gather(self, slots: list[int]) -> list[list]:
         where = [self._where.get(s) for s in slots]
-        if all(w is None for w in where):
-            return [[None] * len(s.shapes) for s in self.specs]  # all fresh: mlx-lm's path for a new prompt
+        if all(w is None for w in where):  # all fresh: mlx-lm's path for a new prompt (None), or zeros
+            return [[mx.zeros((len(slots), *shape), dtype) for shape, dtype in zip(s.shapes, s.dtypes)]
+                    if s.fresh_zeros else [None] * len(s.shapes) for s in self.specs]
         first = where[0][0] if where[0] is not None else None
         if first is not None and all(w is not None and w[0] is first for w in where):
             rows = [w[1] for w in where]
@@ -363,5 +386,5 @@ def honours_lengths(model) -> bool:
         alone = run([[3, 4]], None)
     except Exception:  # noqa: BLE001 - cannot tell: unpadded rows only, which is always exact
         return False
-    return all(mx.allclose(a.cache[k][1].astype(mx.float32), b.cache[k][0].astype(mx.float32), atol=1e-4).item()
-               for a, b in zip(padded, alone) for k in range(len(a.cache)))
+    return all(x.shape == y.shape and mx.allclose(x.astype(mx.float32), y.astype(mx.float32), atol=1e-4).item()
+               for a, b in zip(padded, alone) for k in range(len(a.cache)) for x, y in [(a.cache[k][1], b.cache[k][0])])
