@@ -11,20 +11,21 @@ from click.testing import CliRunner
 from oracle import mlx_lm_greedy, mlx_lm_load
 from tiny import build_from_config
 
+import unpageable
+
 from macinfer.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = json.loads((ROOT / "tests" / "arch_configs.json").read_text())["configs"]
-# A model the paged engine refuses: its second loop attends to the first loop's K/V (more
-# attention calls than caches).
-UNSUPPORTED = "iquestloopcoder"
+# A model the paged engine refuses and mlx-lm batches exactly (two sdpa calls per layer: tests/unpageable.py).
+UNSUPPORTED = unpageable.NAME
 PROMPTS = ["The quick brown fox", "Paged attention stores the key value cache in fixed size blocks. Continuous",
            "What is", "Once upon a time there was a little model that wanted to run on a Mac."]
 
 
 @pytest.fixture(scope="module")
-def unsupported(tmp_path_factory):
-    return build_from_config(tmp_path_factory.mktemp(UNSUPPORTED), CONFIGS[UNSUPPORTED])
+def unsupported(tiny_models, tmp_path_factory):
+    return unpageable.build(tiny_models("llama"), tmp_path_factory.mktemp("unsupported") / UNSUPPORTED)
 
 
 def greedy(path, ids, n):
@@ -132,17 +133,16 @@ def test_unknown_architecture_and_mismatched_weights_are_one_line(tiny_models, t
 
 
 def test_census_verdicts():
-    r = subprocess.run([sys.executable, "scripts/arch_census.py", "--only", f"llama,{UNSUPPORTED},nosucharch",
+    r = subprocess.run([sys.executable, "scripts/arch_census.py", "--only", "llama,minimax_m3_vl,nosucharch",
                         "--jobs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = [" ".join(line.split()) for line in r.stdout.strip().splitlines()]
-    assert lines[:3] == [
-        "llama identical (paged)",
-        f"{UNSUPPORTED} identical (fallback: its attention does not go through mlx-lm's scaled_dot_product_attention "
-        "once per layer (6 calls for 4 layers), so it cannot be paged safely)",
-        "nosucharch skipped: no configuration in mlx-lm's tests/test_models.py",
-    ]
-    assert lines[3].startswith("3 model types: 1 identical (paged), 1 identical (fallback), 0 mismatch, 0 refused, "
+    assert lines[0] == "llama identical (paged)"
+    # Refused by the paged engine; mlx-lm's own batching differs from its single stream too (README).
+    assert lines[1].startswith("minimax_m3_vl mismatch (fallback: request ") and \
+        lines[1].endswith("mlx-lm's BatchGenerator alone differs too)")
+    assert lines[2] == "nosucharch skipped: no configuration in mlx-lm's tests/test_models.py"
+    assert lines[3].startswith("3 model types: 1 identical (paged), 0 identical (fallback), 1 mismatch, 0 refused, "
                                "0 error, 1 skipped")
 
 
