@@ -126,6 +126,8 @@ LOOPCODER = {**ARCH_CONFIGS["iquestloopcoder"], "hidden_size": 64, "intermediate
 # longcat_flash's two MLAs per layer, under an n-gram embedding that keeps the last n - 1 token ids as
 # its state (a token window: started from zeros in a fixed-size slot).
 LONGCAT_NGRAM = ARCH_CONFIGS["longcat_flash_ngram"]
+# Sparse layers whose indexer keeps the top 2 of 4-token key blocks (one local), cut over cache slots.
+MINIMAX_M3_VL = ARCH_CONFIGS["minimax_m3_vl"]
 # family -> (config, weight scale, norm weight noise): Gemmas scale the embeddings up by sqrt(hidden)
 # and tie the head, so large weights make them repeat the last token; these give varied greedy output.
 FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemma4_text": (GEMMA4, 0.05, 0.0),
@@ -136,7 +138,8 @@ FAMILIES = {"gemma2": (GEMMA2, 0.1, 1.0), "gemma3n": (GEMMA3N, 0.05, 0.0), "gemm
             "plamo3": (PLAMO3, 0.2, 1.0), "kimi_linear": (KIMI_LINEAR, 0.3, 0.0),
             "plamo2": (PLAMO2, 0.1, 1.0), "afm7": (AFM7, 0.3, 0.0),
             "deepseek_v32": (DEEPSEEK_V32, 0.3, 0.0), "longcat_flash": (LONGCAT_FLASH, 0.3, 0.0),
-            "iquestloopcoder": (LOOPCODER, 0.3, 0.0), "longcat_flash_ngram": (LONGCAT_NGRAM, 0.3, 0.0)}
+            "iquestloopcoder": (LOOPCODER, 0.3, 0.0), "longcat_flash_ngram": (LONGCAT_NGRAM, 0.3, 0.0),
+            "minimax_m3_vl": (MINIMAX_M3_VL, 0.3, 0.0)}
 
 
 def build_model(out, config: dict, std: float, seed: int = 0, norm_std: float = 0.0):
@@ -216,7 +219,8 @@ def test_family_matches_mlx_lm_batched_and_preempted(family, name):
                                                 ("llama4", 30, 28), ("bailing_moe_v3", 36, 36), ("plamo3", 30, 28),
                                                 ("kimi_linear", 36, 36), ("plamo2", 36, 36), ("afm7", 30, 28),
                                                 ("deepseek_v32", 30, 28), ("longcat_flash", 30, 28),
-                                                ("iquestloopcoder", 30, 28), ("longcat_flash_ngram", 36, 36)])
+                                                ("iquestloopcoder", 30, 28), ("longcat_flash_ngram", 36, 36),
+                                                ("minimax_m3_vl", 30, 28)])
 def test_prefix_cache_hit_matches_mlx_lm(family, name, shared, cached):
     """A later prompt sharing `shared` tokens starts from cached blocks (shared views and latents read them).
 
@@ -244,6 +248,17 @@ def test_loopcoder_window_and_first_pass_are_what_decide(family):
     prompts = prompts_for("iquestloopcoder")
     assert any(oracle(model, p, 16)[0] != oracle(wide, p, 16)[0] for p in prompts)
     assert [s.window for s in inspect_model(model, "iquestloopcoder")] == [None, None, 8, 8]
+
+
+def test_minimax_block_sparsity_is_what_decides(family):
+    """Picking 2 key blocks of 4 tokens changes the tokens (against a budget that keeps every block): the
+    batched and preempted test above runs the sparse selection, row by row."""
+    model, _ = family("minimax_m3_vl")
+    config = MINIMAX_M3_VL["text_config"]["sparse_attention_config"]
+    dense, _ = family("minimax_m3_vl", text_config={**MINIMAX_M3_VL["text_config"],
+                                                    "sparse_attention_config": {**config, "sparse_topk_blocks": 64}})
+    prompts = prompts_for("minimax_m3_vl")
+    assert any(oracle(model, p, 16)[0] != oracle(dense, p, 16)[0] for p in prompts)
 
 
 def test_token_window_state_from_zeros_matches_mlx_lm_for_short_prompts(family):

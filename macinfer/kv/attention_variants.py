@@ -34,6 +34,10 @@ code for anything else (so mlx-lm keeps working on the same model object):
   its own sliding window. The body is subclassed to hand the global call a SharedKVView of the
   first pass's cache.
 
+- minimax_m3_vl: its block-sparse layers' indexer cuts key blocks over cache slots and places
+  queries at slots S - L ... S - 1, which only one unpadded row satisfies; those layers run row
+  by row on each row's own context (`_RowContext`).
+
 - plamo2: its attention calls mx.fast.scaled_dot_product_attention itself; the subclass runs
   mlx-lm's code up to that call and sends it to paged attention.
 
@@ -437,6 +441,67 @@ class _SparseLatentAttention:
         return super().__call__(x, mask, cache)
 
 
+class _RowContext:
+    """One row of a paged forward as mlx-lm's KVCache would be for that row alone: its position, its
+    writes, and exactly its context back (no other row's padding, slots from its own position 0)."""
+
+    def __init__(self, cache: PagedKVCache, row: int, L: int):
+        self.cache, self.row, self.L = cache, row, L
+        self.keys = self.values = None  # read (and set: mx.depends) by the model after update_and_fetch
+
+    @property
+    def offset(self) -> int:
+        return int(self.cache.ctx.context_lens[self.row]) - self.L
+
+    def update_and_fetch(self, keys, values):
+        from macinfer.kv.paged_attention import block_slots, take_slots
+        from macinfer.kv.paged_cache import head_major, write_pool
+
+        c, ctx, bs = self.cache, self.cache.ctx, self.cache.block_size
+        slots = ctx.write_slots(bs)
+        rows = slots + self.row * self.L if isinstance(slots, int) else slots[self.row * self.L: (self.row + 1) * self.L]
+        write_pool(c.k_pool, rows, head_major(keys))
+        if values.shape[-1]:  # minimax's indexer writes zero-width values: its pool holds a 1-wide dummy
+            write_pool(c.v_pool, rows, head_major(values))
+        C = int(ctx.context_lens[self.row])
+        key = ("row_slots", self.row, C)
+        if key not in ctx.memo:
+            table = ctx.block_tables[self.row]
+            ctx.memo[key] = block_slots(mx.array([list(table[: -(-C // bs)])], dtype=mx.int32), bs)[0, :C]
+        ids = ctx.memo[key]
+        self.keys = take_slots(c.k_pool, ids)[None]
+        self.values = (take_slots(c.v_pool, ids)[None] if values.shape[-1]
+                       else mx.zeros((1, values.shape[1], C, 0), values.dtype))
+        return self.keys, self.values
+
+
+class _MinimaxAttention:
+    """minimax_m3_vl's attention. Its sparse layers pick top-k key blocks with an indexer whose
+    blocks are cut over cache slots and whose queries sit at slots S - L ... S - 1: right for one
+    row alone, wrong for any padded batch (mlx-lm's own BatchGenerator differs from its single
+    stream for that reason). Paged, a sparse layer runs row by row, each row on exactly its own
+    context (`_RowContext`, for the K/V and the indexer's keys), so every row sees what it would
+    alone. Dense layers page as usual. While probed, both caches of a sparse layer report what
+    they page (the indexer's values are empty: mlx-lm writes zero-width ones)."""
+
+    def __call__(self, x, mask=None, cache=None):
+        if not self.is_sparse_attn or cache is None:
+            return super().__call__(x, mask, cache)
+        if isinstance(cache[0], PagedKVCache):
+            B, L, _ = x.shape
+            row_mask = None if L == 1 else "causal"
+            return mx.concatenate([super(_MinimaxAttention, self).__call__(
+                x[b: b + 1], row_mask, [_RowContext(cache[0], b, L), _RowContext(cache[1], b, L)]) for b in range(B)])
+        if _probing():
+            calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
+            with _unprobed():
+                out = super().__call__(x, mask, recs)
+            # A zero-width pool would be a zero-size array MLX cannot gather from: one dummy column.
+            calls.extend((c, k, (*v[:-1], max(v[-1], 1)), dtype) for c, (k, v, dtype) in zip(cache, (r.shapes for r in recs)))
+            return out
+        return super().__call__(x, mask, cache)
+
+
 class _Mistral4Attention(_LatentAttention):
     """mistral4's MLA: the same latent cache; a llama-4 query scale argument, no mask arrays asked."""
 
@@ -518,6 +583,7 @@ _VARIANTS = {
     "mlx_lm.models.plamo2": {"Attention": _Plamo2Attention},
     "mlx_lm.models.afm7": {"AFMModel": _AFMModel, "KVReuseAttention": _AFMKVReuseAttention},
     "mlx_lm.models.iquestloopcoder": {"IQuestLoopCoderModel": _LoopCoderModel},
+    "mlx_lm.models.minimax_m3_vl": {"Attention": _MinimaxAttention},
     "mlx_lm.models.gemma4_text": {"Attention": _Gemma4Attention},
     "mlx_lm.models.deepseek_v3": {"DeepseekV3Attention": _LatentAttention},
     "mlx_lm.models.glm4_moe_lite": {"Glm4MoeLiteAttention": _LatentAttention},
