@@ -122,7 +122,7 @@ def raw_batchgenerator(model, prompts: list[list[int]], max_tokens: int) -> list
     return [outs[u] for u in uids]
 
 
-def child(name: str) -> dict:
+def child(name: str, engine: str = "auto") -> dict:
     import macinfer  # noqa: F401  (OpenBLAS before MLX)
 
     configs = load_configs()
@@ -156,13 +156,14 @@ def child(name: str) -> dict:
 
         try:
             with contextlib.redirect_stderr(io.StringIO()) as err:
-                llm = LLM(str(path), engine="auto", max_num_seqs=4, max_num_batched_tokens=CHUNK, kv_memory="256MiB")
+                llm = LLM(str(path), engine=engine, max_num_seqs=4, max_num_batched_tokens=CHUNK, kv_memory="256MiB")
         except MacinferError as e:
             return {"verdict": f"refused: {strip_type(str(e), name)}"}
         except Exception as e:  # noqa: BLE001
             return {"verdict": f"error: {one_line(e)}"}
         kind = llm.engine_kind
-        reason = strip_type(llm.engine.fallback_reason or "", llm.info.model_type) if kind == "mlx-lm" else None
+        reason = (strip_type(llm.engine.fallback_reason or "--engine mlx-lm", llm.info.model_type)
+                  if kind == "mlx-lm" else None)
         try:
             got = staggered(llm.engine, prompts, MAX_TOKENS)
         except Exception as e:  # noqa: BLE001
@@ -189,8 +190,8 @@ def strip_type(msg: str, model_type: str) -> str:
 
 
 # -- the parent ---------------------------------------------------------------------------
-def run_one(name: str, timeout: float) -> str:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]
+def run_one(name: str, timeout: float, engine: str = "auto") -> str:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--engine", engine]
     # The child imports this checkout's macinfer, not whichever one is installed.
     path = os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env = {**os.environ, "PYTHONPATH": path, "MACINFER_PREFIX_CACHE_DIR": tempfile.gettempdir() + "/arch-census-prefix"}
@@ -231,17 +232,19 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="Architectures run at once (one subprocess each).")
     ap.add_argument("--markdown", action="store_true", help="Print a Markdown table (for the README).")
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help="Seconds per architecture.")
+    ap.add_argument("--engine", choices=["auto", "paged", "mlx-lm"], default="auto",
+                    help="The engine macinfer runs each model on (as `macinfer run --engine`).")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, args.engine)), flush=True)
         return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else model_types()
     width = max(len(n) for n in names)
     t0 = time.time()
     results: dict[str, str] = {}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for name, verdict in zip(names, pool.map(lambda n: run_one(n, args.timeout), names)):
+        for name, verdict in zip(names, pool.map(lambda n: run_one(n, args.timeout, args.engine), names)):
             results[name] = verdict
             # With --markdown the table comes at the end; progress goes to stderr meanwhile.
             print(f"{name:<{width}}  {verdict}", file=sys.stderr if args.markdown else sys.stdout, flush=True)
