@@ -91,19 +91,24 @@ TINY = dict(hidden_size=64, heads=4, kv_heads=2, num_hidden_layers=4, head_dim=1
             shared_expert_intermediate_size=128, moe_intermediate_size=64)
 
 
+# Between the two (hidden 256, 4 layers, 17 MB of weights): the largest that decodes through compiled graphs.
+SMALL = dict(hidden_size=256, heads=4, kv_heads=2, num_hidden_layers=4, moe_intermediate_size=128,
+             shared_expert_intermediate_size=256)
+
+
 def build(out: Path, family: str, size: str) -> Path:
-    """The benchmark's model: `mid` (hidden 512, 8 layers) or `tiny` (qwen3_next only)."""
-    if size == "tiny":
+    """The benchmark's model: `mid` (hidden 512, 8 layers), or `tiny` / `small` (qwen3_next only)."""
+    if size in ("tiny", "small"):
         if family != "qwen3_next":
-            raise SystemExit("--size tiny is defined for qwen3_next only")
-        return build_tiny_model(out, "llama", **{**FAMILIES[family], **TINY})
+            raise SystemExit(f"--size {size} is defined for qwen3_next only")
+        return build_tiny_model(out, "llama", **{**FAMILIES[family], **(TINY if size == "tiny" else SMALL)})
     return build_tiny_model(out, "llama", hidden_size=512, heads=8, kv_heads=2, **FAMILIES[family])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--save", type=Path, help="Only write the (first) family's model to this directory, and stop.")
-    ap.add_argument("--size", choices=["mid", "tiny"], default="mid")
+    ap.add_argument("--size", choices=["mid", "small", "tiny"], default="mid")
     ap.add_argument("--families", default="qwen3_next,mamba2")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--prompt", type=int, default=64)
