@@ -88,21 +88,36 @@ class DecodeGraph:
         to `batch_bucket(B)` rows that read and write the null block only. The caches hold the
         forward's pools and states afterwards, as an eager forward leaves them.
         """
-        r, ctx = self.runner, self.runner.ctx
         B = len(seqs)
         pad = batch_bucket(B) - B
+        args, memo = self._inputs(seqs, tokens, pad)
+        out = self._run(args, memo)
+        self.runner.ctx.offsets, self.runner.ctx.memo = args[1], {}  # nothing after may read the trace's arrays
+        logits, pools, states = out
+        if pad:
+            logits, states = logits[:B], [[a[:B] for a in layer] for layer in states]
+        self._set(pools, states)
+        return logits
+
+    def _inputs(self, seqs: list, tokens: mx.array, pad: int) -> tuple[tuple, dict]:
+        """The compiled function's arguments for these rows plus `pad` null rows, and the memo they came from."""
+        r = self.runner
+        B = len(seqs)
         r.set_context([s.block_table for s in seqs] + [[0]] * pad, [s.num_computed_tokens for s in seqs] + [0] * pad,
                       [1] * (B + pad), [s.num_prompt_tokens for s in seqs] + [1] * pad)
         if r.states is not None:
             r.states.bind(seqs, [1] * B, 1)
         memo = self._host_memo()
-        keys = tuple(memo)
         pools = [[getattr(c, a) for a in _POOLS] for c in r.pool_caches]
         states = [] if r.states is None else [[_pad_rows(a, pad) for a in c.cache] for c in r.states.layers]
         if pad:
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
-        args = (tokens.reshape(-1, 1), ctx.offsets, [memo[k] for k in keys], pools, states)
-        key = (keys, B + pad, memo["slots"].shape[1])
+        return (tokens.reshape(-1, 1), r.ctx.offsets, list(memo.values()), pools, states), memo
+
+    def _run(self, args: tuple, memo: dict) -> tuple:
+        """(logits, pools, states) from the compiled graph of these shapes, or eagerly where it is not exact."""
+        keys = tuple(memo)
+        key = (keys, args[0].shape[0], memo["slots"].shape[1])
         fn = self._fns.pop(key, None) or mx.compile(self._traced(keys))
         self._fns[key] = fn  # most recently used last
         while len(self._fns) > MAX_GRAPHS:
@@ -113,17 +128,10 @@ class DecodeGraph:
         except _NotPure:
             self.enabled = False
             log.info("decode forward not compiled: it builds arrays from host data while tracing")
-            self._restore(memo, pools, states)
-            out = self._eager(args, memo)
-        else:
-            if not self._checked and self.num_traces == traces:  # a replay: a baked host value would show now
-                out = self._check(out, args, memo)
-        ctx.offsets, ctx.memo = args[1], {}  # nothing after the call may read the trace's arrays
-        logits, pools, states = out
-        if pad:
-            logits, states = logits[:B], [[a[:B] for a in layer] for layer in states]
-        self._set(pools, states)
-        return logits
+            return self._eager(args, memo)
+        if not self._checked and self.num_traces == traces:  # a replay: a baked host value would show now
+            out = self._check(out, args, memo)
+        return out
 
     # -- the traced function -----------------------------------------------------------
     def _traced(self, keys: tuple):
@@ -158,7 +166,7 @@ class DecodeGraph:
     def _outputs(self) -> tuple[list, list]:
         r = self.runner
         pools = [[getattr(c, a) for a in _POOLS] for c in r.pool_caches]
-        states = [] if r.states is None else [list(a) for a in r.states._current.arrays]
+        states = [] if r.states is None else r.states.forward_states()
         return pools, states
 
     def _set(self, pools: list, states: list) -> None:
@@ -168,9 +176,7 @@ class DecodeGraph:
             for a, x in zip(_POOLS, arrays):
                 setattr(c, a, x)
         if r.states is not None:
-            r.states._current.arrays = [list(a) for a in states]
-            for c, arrays in zip(r.states.layers, states):
-                c.cache = list(arrays)
+            r.states.set_forward_states(states)
 
     def _restore(self, memo: dict, pools: list, states: list) -> None:
         """The caches as they were before a call (a trace that failed left tracers in them)."""
@@ -187,8 +193,7 @@ class DecodeGraph:
     def _check(self, out: tuple, args: tuple, memo: dict) -> tuple:
         """The first compiled forward against the eager one on the same inputs: equal, or compiling stops."""
         eager = self._eager(args, memo)
-        flat = lambda t: [x for x in _leaves(t)]  # noqa: E731
-        a, b = flat(out), flat(eager)
+        a, b = list(_leaves(out)), list(_leaves(eager))
         self.runner.evaluator.drain()  # nothing may evaluate beside a launched step (macinfer.core.evaluator)
         mx.eval(a, b)
         self._checked = True

@@ -256,6 +256,17 @@ class StateStore:
             c.lengths = lengths
             c.left_padding = None
 
+    def forward_states(self) -> list[list]:
+        """The bound forward's new states so far, [layer][k] (what its layers assigned)."""
+        return [list(a) for a in self._current.arrays]
+
+    def set_forward_states(self, states: list[list]) -> None:
+        """Give the bound forward's rows these states, and its layers these caches (a compiled forward's
+        outputs: macinfer.core.decode_graph)."""
+        self._current.arrays = [list(a) for a in states]
+        for c, arrays in zip(self.layers, states):
+            c.cache = list(arrays)
+
     def _record(self, layer: int, k: int, value: mx.array) -> mx.array:
         if self._current is not None:
             if self._copy:
