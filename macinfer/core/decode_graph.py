@@ -110,6 +110,8 @@ class DecodeGraph:
         memo = self._host_memo()
         pools = [[getattr(c, a) for a in _POOLS] for c in r.pool_caches]
         states = [] if r.states is None else [[_pad_rows(a, pad) for a in c.cache] for c in r.states.layers]
+        if tokens.dtype != mx.uint32:  # one dtype, one trace (argmax and the samplers give uint32)
+            tokens = tokens.astype(mx.uint32)
         if pad:
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
         return (tokens.reshape(-1, 1), r.ctx.offsets, list(memo.values()), pools, states), memo
