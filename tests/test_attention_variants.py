@@ -261,6 +261,40 @@ def test_minimax_block_sparsity_is_what_decides(family):
     assert any(oracle(model, p, 16)[0] != oracle(dense, p, 16)[0] for p in prompts)
 
 
+@pytest.mark.parametrize("lengths", [(13, 12), (21, 20), (24, 20)])
+def test_minimax_rows_padded_in_one_forward_match_mlx_lm(family, lengths):
+    """Prompts of different lengths prefilled in one forward (the shorter row right-padded): each sparse
+    row runs on its real tokens only (a padded row once read keys its table did not cover)."""
+    model, tok = family("minimax_m3_vl")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
+    engine = LLMEngine(model, tok, None, num_blocks=80, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    widths = []
+    forward = engine.runner.run_forward
+    engine.runner.run_forward = lambda tables, starts, tokens, *a, **k: (
+        widths.append([len(t) for t in tokens]) or forward(tables, starts, tokens, *a, **k))
+    got = run(engine, [(0, p, SamplingParams(max_tokens=8, ignore_eos=True), str(i)) for i, p in enumerate(prompts)])
+    assert list(lengths) in widths  # both prompts in one (padded) forward
+    assert [got[str(i)][0].token_ids for i in range(len(prompts))] == [oracle(model, p, 8)[0] for p in prompts]
+
+
+def test_minimax_speculative_decoding_is_exact(family):
+    """Verify forwards pad rows to 1 + their drafts: the sparse layers see each row's real tokens."""
+    from test_hybrid import ScriptedDrafter
+
+    model, tok = family("minimax_m3_vl")
+    prompts = prompts_for("minimax_m3_vl")[:3]
+    want = [oracle(model, p, 14)[0] for p in prompts]
+    drafter = ScriptedDrafter({tuple(p): w for p, w in zip(prompts, want)}, model.args.text_config.vocab_size)
+    engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
+                       draft=drafter, num_speculative_tokens=3, adaptive_speculation=False)
+    got = run(engine, [(i, p, SamplingParams(max_tokens=14, ignore_eos=True), f"s{i}") for i, p in enumerate(prompts)])
+    assert [got[f"s{i}"][0].token_ids for i in range(len(prompts))] == want
+    accepted = sum(o[0].metrics.accepted_tokens for o in got.values())
+    assert drafter.proposed > 0 and 0 < accepted < drafter.proposed
+    assert_all_free(engine)
+
+
 def test_token_window_state_from_zeros_matches_mlx_lm_for_short_prompts(family):
     """Prompts shorter than the n-gram's window (where mlx-lm's state is shorter than the slot) batched
     with longer ones: the zero-filled window gives mlx-lm's tokens."""

@@ -146,7 +146,7 @@ class DecodeGraph:
             memo = dict(zip(keys, memo_values))
             self._restore(memo, pools, states)
             logits = r.model(tokens, cache=r.caches)[:, -1, :]
-            if any(k not in keys and (not isinstance(k, tuple) or k[0] not in _PURE_MEMO) for k in ctx.memo):
+            if any(k not in keys and (k[0] if isinstance(k, tuple) else k) not in _PURE_MEMO for k in ctx.memo):
                 raise _NotPure
             return logits, *self._outputs()
 

@@ -218,6 +218,7 @@ class ModelRunner:
         c.block_tables = tables
         c.context_lens = [s + L for s in starts]
         c.prompt_lens = prompt_lens
+        c.counts = list(counts)
         c.slot_blocks = mx.array(blocks, dtype=mx.int32)
         c.slot_offsets = mx.array(slots, dtype=mx.int32)
         c.memo = {}

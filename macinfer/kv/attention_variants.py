@@ -82,6 +82,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from macinfer.errors import MacinferError
 from macinfer.kv import paged_cache as _pc
 from macinfer.kv.paged_cache import PagedKVCache
 
@@ -443,27 +444,32 @@ class _SparseLatentAttention:
 
 class _RowContext:
     """One row of a paged forward as mlx-lm's KVCache would be for that row alone: its position, its
-    writes, and exactly its context back (no other row's padding, slots from its own position 0)."""
+    n real new tokens written (not the padding after them), and exactly its context back (no other
+    row's padding, slots from its own position 0)."""
 
-    def __init__(self, cache: PagedKVCache, row: int, L: int):
-        self.cache, self.row, self.L = cache, row, L
+    def __init__(self, cache: PagedKVCache, row: int, L: int, n: int):
+        self.cache, self.row, self.L, self.n = cache, row, L, n
         self.keys = self.values = None  # read (and set: mx.depends) by the model after update_and_fetch
 
     @property
     def offset(self) -> int:
-        return int(self.cache.ctx.context_lens[self.row]) - self.L
+        return int(self.cache.ctx.context_lens[self.row]) - self.L  # the row's start
 
     def update_and_fetch(self, keys, values):
         from macinfer.kv.paged_attention import block_slots, take_slots
         from macinfer.kv.paged_cache import head_major, write_pool
 
         c, ctx, bs = self.cache, self.cache.ctx, self.cache.block_size
-        slots = ctx.write_slots(bs)
-        rows = slots + self.row * self.L if isinstance(slots, int) else slots[self.row * self.L: (self.row + 1) * self.L]
+        if not hasattr(c, "k_pool"):  # QuantizedPagedKVCache: codes, scales and biases instead
+            raise MacinferError("minimax_m3_vl: its block-sparse layers cannot use a quantised KV cache yet; "
+                                "run it without --kv-bits")
+        slots = ctx.write_slots(bs)  # row-major, L per row: this row's first n are its real tokens
+        first = self.row * self.L
+        rows = slots + first if isinstance(slots, int) else slots[first: first + self.n]
         write_pool(c.k_pool, rows, head_major(keys))
         if values.shape[-1]:  # minimax's indexer writes zero-width values: its pool holds a 1-wide dummy
             write_pool(c.v_pool, rows, head_major(values))
-        C = int(ctx.context_lens[self.row])
+        C = self.offset + self.n
         key = ("row_slots", self.row, C)
         if key not in ctx.memo:
             table = ctx.block_tables[self.row]
@@ -479,19 +485,17 @@ class _MinimaxAttention:
     """minimax_m3_vl's attention. Its sparse layers pick top-k key blocks with an indexer whose
     blocks are cut over cache slots and whose queries sit at slots S - L ... S - 1: right for one
     row alone, wrong for any padded batch (mlx-lm's own BatchGenerator differs from its single
-    stream for that reason). Paged, a sparse layer runs row by row, each row on exactly its own
-    context (`_RowContext`, for the K/V and the indexer's keys), so every row sees what it would
-    alone. Dense layers page as usual. While probed, both caches of a sparse layer report what
-    they page (the indexer's values are empty: mlx-lm writes zero-width ones)."""
+    stream for that reason). Paged, a sparse layer runs row by row, each row on its real tokens
+    only and exactly its own context (`_RowContext`, for the K/V and the indexer's keys), so every
+    row sees what it would alone; a row's padding positions get zeros. Dense layers page as usual.
+    While probed, both caches of a sparse layer report what they page (the indexer's values are
+    empty: mlx-lm writes zero-width ones)."""
 
     def __call__(self, x, mask=None, cache=None):
         if not self.is_sparse_attn or cache is None:
             return super().__call__(x, mask, cache)
         if isinstance(cache[0], PagedKVCache):
-            B, L, _ = x.shape
-            row_mask = None if L == 1 else "causal"
-            return mx.concatenate([super(_MinimaxAttention, self).__call__(
-                x[b: b + 1], row_mask, [_RowContext(cache[0], b, L), _RowContext(cache[1], b, L)]) for b in range(B)])
+            return mx.concatenate([self._row(x, b, cache) for b in range(x.shape[0])])
         if _probing():
             calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
             with _unprobed():
@@ -500,6 +504,15 @@ class _MinimaxAttention:
             calls.extend((c, k, (*v[:-1], max(v[-1], 1)), dtype) for c, (k, v, dtype) in zip(cache, (r.shapes for r in recs)))
             return out
         return super().__call__(x, mask, cache)
+
+    def _row(self, x, b: int, cache) -> mx.array:
+        """Row b of a paged forward, alone: (1, L, D), zeros after its real tokens."""
+        L = x.shape[1]
+        counts = cache[0].ctx.counts
+        n = counts[b] if counts else L
+        out = super().__call__(x[b: b + 1, :n], None if n == 1 else "causal",
+                               [_RowContext(cache[0], b, L, n), _RowContext(cache[1], b, L, n)])
+        return out if n == L else mx.concatenate([out, mx.zeros((1, L - n, out.shape[-1]), out.dtype)], axis=1)
 
 
 class _Mistral4Attention(_LatentAttention):

@@ -66,6 +66,7 @@ class ForwardContext:
         slot_blocks    int32 (T,): block id of each new token, row-major
         slot_offsets   int32 (T,): slot inside that block
         prompt_lens    B ints: each row's prompt length (a prompt window needs it), or None
+        counts         B ints: each row's real new tokens (the rest of q_len is padding), or None
     """
 
     offsets: int | mx.array = 0
@@ -74,6 +75,7 @@ class ForwardContext:
     slot_blocks: mx.array | None = None
     slot_offsets: mx.array | None = None
     prompt_lens: list[int] | None = None
+    counts: list[int] | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
     # The fused Metal kernel when the engine selected it (macinfer.kv.kernel_dispatch); None: reference.
     attention_fn: object = None
