@@ -48,6 +48,23 @@ def test_an_error_in_a_job_is_raised_by_its_wait():
     ev.drain()  # a failed job still counts as done: drain does not hang
 
 
+def test_drain_raises_the_error_of_a_job_nobody_waited_for():
+    """A job no step reads (a state snapshot's) fails: the next drain raises it, once; a waited one's
+    error is not raised twice."""
+    ev = StepEvaluator(threaded=True)
+    with ev.context():
+        ok = ev.launch([mx.arange(4) * 2])
+    ev.launch([mx.ones((3,)) * 3])  # built outside ev.stream: fails on the worker
+    with pytest.raises(RuntimeError, match="Stream"):
+        ev.drain()
+    ev.drain()  # raised once
+    ok.wait()
+    waited = ev.launch([mx.ones((2,)) + 1])
+    with pytest.raises(RuntimeError, match="Stream"):
+        waited.wait()
+    ev.drain()  # its wait raised it already
+
+
 def test_a_collected_evaluator_ends_its_worker_and_frees_its_stream():
     ev = StepEvaluator(threaded=True)
     stream = ev.stream

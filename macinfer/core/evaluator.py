@@ -64,13 +64,14 @@ def threads_pay_off() -> bool:
 class Job:
     """One launched step's arrays; `wait()` returns once they are evaluated (or raises what eval raised)."""
 
-    __slots__ = ("arrays", "done", "error")
+    __slots__ = ("arrays", "done", "error", "seen")
 
     def __init__(self, arrays: list):
-        self.arrays, self.done, self.error = arrays, threading.Event(), None
+        self.arrays, self.done, self.error, self.seen = arrays, threading.Event(), None, False
 
     def wait(self) -> None:
         self.done.wait()
+        self.seen = True
         if self.error is not None:
             raise self.error
 
@@ -87,6 +88,7 @@ class StepEvaluator:
         self._lock = threading.Lock()
         self._box: list[threading.Thread | None] = [None]  # the worker thread, if running
         self._last: Job | None = None  # the newest job launched
+        self._launched: list[Job] = []  # jobs launched since the last drain (their errors: drain)
         if threaded:
             weakref.finalize(self, _retire, self.stream, self._queue, self._box)
 
@@ -107,6 +109,9 @@ class StepEvaluator:
         with self._lock:
             self._queue.put(job)
             self._last = job
+            # Kept until drained only while running or failed unseen: a long pipelined run holds a few.
+            self._launched = [j for j in self._launched if not j.done.is_set() or (j.error and not j.seen)]
+            self._launched.append(job)
             if self._box[0] is None:
                 self._box[0] = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
                                                 name="macinfer-eval", daemon=True)
@@ -119,10 +124,21 @@ class StepEvaluator:
         return self._last
 
     def drain(self) -> None:
-        """Wait for every launched job; the engine thread may evaluate on its own afterwards."""
+        """Wait for every launched job; the engine thread may evaluate on its own afterwards.
+
+        Raises:
+            The error of a job that failed and that nobody waited for (a state snapshot's: no step
+            reads it); a failed job that was waited for raised its error there already.
+        """
         last, self._last = self._last, None
         if last is not None:
-            last.done.wait()  # an error is raised by the wait of the step it belongs to
+            last.done.wait()
+        with self._lock:
+            jobs, self._launched = self._launched, []
+        for job in jobs:
+            if job.error is not None and not job.seen:
+                job.seen = True
+                raise job.error
 
     def _idle_exit(self) -> bool:
         """The worker's question after waiting in vain: may it end? (Yes if nothing was queued meanwhile.)"""
