@@ -82,9 +82,12 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.base import create_attention_mask
+
 from macinfer.errors import MacinferError
 from macinfer.kv import paged_cache as _pc
-from macinfer.kv.paged_cache import PagedKVCache
+from macinfer.kv.paged_attention import block_slots, slice_slots, take_slots
+from macinfer.kv.paged_cache import PagedKVCache, head_major, write_pool
 
 
 # -- the cache view of a KV-sharing layer ------------------------------------------------------------
@@ -262,8 +265,8 @@ class _LoopCoderModel:
         B, L = inputs.shape[:2]
         h = self.embed_tokens(inputs)
         n = len(self.layers)
-        mask = _loop_mask(h, cache[0])
-        window_mask = _loop_mask(h, cache[n], window_size=self.loop_window_size)
+        mask = create_attention_mask(h, cache[0])
+        window_mask = create_attention_mask(h, cache[n], window_size=self.loop_window_size)
         first = []
         for layer, c in zip(self.layers, cache):
             q1, k1, v1 = layer.self_attn.get_qkv(layer.input_layernorm(h), c.offset)
@@ -284,12 +287,6 @@ class _LoopCoderModel:
             h = h + layer.self_attn.o_proj(mixed.transpose(0, 2, 1, 3).reshape(B, L, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
-
-
-def _loop_mask(h, cache, window_size=None):
-    from mlx_lm.models.base import create_attention_mask
-
-    return create_attention_mask(h, cache, window_size=window_size)
 
 
 class _AFMKVReuseAttention:
@@ -353,8 +350,6 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
     One row reads exactly its C slots (one slice when its blocks are a contiguous run), as
     mlx-lm's KVCache returns them; a batch gathers every row's padded block table.
     """
-    from macinfer.kv.paged_attention import block_slots, slice_slots, take_slots
-
     if cache.window is not None:
         raise NotImplementedError("a dense context of a sliding-window layer")
     ctx, bs = cache.ctx, cache.block_size
@@ -434,12 +429,22 @@ class _SparseLatentAttention:
             latent = _LatentContext(cache[0])
             return super().__call__(x, latent.mask(x.shape[1]), [latent, _LatentContext(cache[1])])
         if _probing() and cache is not None:
-            calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
-            with _unprobed():
-                out = super().__call__(x, mask, recs)
-            calls.extend((c, *r.shapes) for c, r in zip(cache, recs))  # what each of the two pages
-            return out
+            return _probe_list(lambda recs: super(_SparseLatentAttention, self).__call__(x, mask, recs), cache)
         return super().__call__(x, mask, cache)
+
+
+def _probe_list(call, cache):
+    """inspect_model's probe of a layer with a CacheList of attention caches: each reports what it pages.
+
+    call(recorders) runs mlx-lm's attention. Values of zero width (minimax's indexer) are paged one
+    column wide: a zero-size pool is an array MLX cannot gather from.
+    """
+    calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
+    with _unprobed():
+        out = call(recs)
+    for c, (k, v, dtype) in zip(cache, (r.shapes for r in recs)):
+        calls.append((c, k, (*v[:-1], max(v[-1], 1)), dtype))
+    return out
 
 
 class _RowContext:
@@ -456,9 +461,6 @@ class _RowContext:
         return int(self.cache.ctx.context_lens[self.row]) - self.L  # the row's start
 
     def update_and_fetch(self, keys, values):
-        from macinfer.kv.paged_attention import block_slots, take_slots
-        from macinfer.kv.paged_cache import head_major, write_pool
-
         c, ctx, bs = self.cache, self.cache.ctx, self.cache.block_size
         if not hasattr(c, "k_pool"):  # QuantizedPagedKVCache: codes, scales and biases instead
             raise MacinferError("minimax_m3_vl: its block-sparse layers cannot use a quantised KV cache yet; "
@@ -497,12 +499,7 @@ class _MinimaxAttention:
         if isinstance(cache[0], PagedKVCache):
             return mx.concatenate([self._row(x, b, cache) for b in range(x.shape[0])])
         if _probing():
-            calls, recs = _pc.probe_calls, [_ShapeRecorder(c) for c in cache]
-            with _unprobed():
-                out = super().__call__(x, mask, recs)
-            # A zero-width pool would be a zero-size array MLX cannot gather from: one dummy column.
-            calls.extend((c, k, (*v[:-1], max(v[-1], 1)), dtype) for c, (k, v, dtype) in zip(cache, (r.shapes for r in recs)))
-            return out
+            return _probe_list(lambda recs: super(_MinimaxAttention, self).__call__(x, mask, recs), cache)
         return super().__call__(x, mask, cache)
 
     def _row(self, x, b: int, cache) -> mx.array:
