@@ -244,7 +244,6 @@ class ModelRunner:
             logits = self.decode_graph.logits(seqs, tokens)  # (B, V)
         else:
             logits = self._decode_logits(seqs, tokens)
-
         index = [j for j, s in enumerate(seqs) if s.grammar is not None]
         held = None
         if index:
