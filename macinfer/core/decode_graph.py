@@ -157,7 +157,7 @@ class DecodeGraph:
         r, ctx = self.runner, self.runner.ctx
         bs = r.block_size
         memo: dict = {}
-        memo[("write_slots", bs)] = ctx.slot_blocks * bs + ctx.slot_offsets
+        memo[("write_slots", bs)] = ctx.write_slots(bs)  # slot ids (T,): B > 1 rows never take the one-slice path
         need = max(-(-c // bs) for c in ctx.context_lens)
         batch_slots(memo, ctx.block_tables, ctx.context_lens, bs, min_blocks=block_bucket(need))
         for c in r.pool_caches:

@@ -86,8 +86,10 @@ class LLMEngine(PipelinedSteps):
         runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
         self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
                              kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-        self.runner.evaluator = _evaluator(config, ranks, model)
-        if _compiles_decode(config, ranks, model):
+        # The CPU-backend defaults below hold for one process and a forward built lazily (read from source once).
+        cpu_lazy = ranks is None and threads_pay_off() and not forward_evaluates(model)
+        self.runner.evaluator = _evaluator(config, cpu_lazy)
+        if _compiles_decode(config, ranks, model, cpu_lazy):
             self.runner.decode_graph = DecodeGraph(self.runner)
         self.scheduler = self._make_scheduler(states, snapshots)
         from macinfer.kv.kernel_dispatch import select_attention
@@ -387,22 +389,23 @@ class LLMEngine(PipelinedSteps):
         return delta
 
 
-def _evaluator(config: EngineConfig, ranks, model) -> StepEvaluator:
+def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:
     """Launched steps on a worker thread where async_eval cannot overlap them (macinfer.core.evaluator):
-    one process, MLX without Metal, and a lazy forward (the engine thread builds it beside the worker)."""
-    threaded = config.eval_thread
-    if threaded is None:
-        threaded = ranks is None and threads_pay_off() and not forward_evaluates(model)
+    by default one process, MLX without Metal, and a lazy forward (the engine thread builds it beside the
+    worker): `cpu_lazy`."""
+    threaded = cpu_lazy if config.eval_thread is None else config.eval_thread
     return StepEvaluator(threaded and config.async_scheduling)
 
 
-def _compiles_decode(config: EngineConfig, ranks, model) -> bool:
-    """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default on
-    MLX's CPU backend in one process for a small model; never for a forward that evaluates as it is
-    built (tracing must not evaluate)."""
-    if config.compile_decode is False or not config.async_scheduling or ranks is not None or forward_evaluates(model):
+def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool) -> bool:
+    """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default where
+    `cpu_lazy` holds, for a small model; never for a forward that evaluates as it is built (tracing must
+    not evaluate) or across ranks."""
+    if config.compile_decode is False or not config.async_scheduling:
         return False
-    return bool(config.compile_decode) or (threads_pay_off() and decode_graph_pays_off(model))
+    if config.compile_decode:
+        return ranks is None and not forward_evaluates(model)
+    return cpu_lazy and decode_graph_pays_off(model)
 
 
 def _logits_width(model, tokenizer) -> int:
