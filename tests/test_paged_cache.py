@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macinfer.kv.paged_attention import block_slots, paged_attention
+from macinfer.kv.paged_attention import QuantPool, block_slots, paged_attention, take_blocks
 from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
 
 BS, H, D = 4, 2, 8
@@ -55,6 +55,23 @@ def test_new_tokens_land_in_head_major_slots(starts, L, tables, want_slots):
 
 def test_block_slots():
     assert block_slots(mx.array([[2, 0], [1, 3]]), 3).tolist() == [[6, 7, 8, 0, 1, 2], [3, 4, 5, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_take_blocks_gathers_what_the_slot_ids_name(bits):
+    """Whole blocks at a time (the batched read): the same keys, in the same order, as pool[:, slots]."""
+    tables = [[2, 0, 5], [1, 7, 3]]
+    pool = mx.arange(H * 8 * BS * 64, dtype=mx.float32).reshape(H, 8 * BS, 64)
+    got = take_blocks(pool if bits is None else QuantPool(*mx.quantize(pool, 64, bits), bits, 64),
+                      mx.array(tables, dtype=mx.int32), BS)
+    want = np.array(pool)[:, [[b * BS + o for b in t for o in range(BS)] for t in tables]]
+    assert got.shape == (H, 2, 3 * BS, 64)
+    if bits is None:
+        np.testing.assert_array_equal(np.array(got), want)
+    else:
+        np.testing.assert_allclose(np.array(got), want, rtol=0.02)
+        want_q = mx.dequantize(*mx.quantize(pool, 64, bits), group_size=64, bits=bits)[:, block_slots(mx.array(tables), BS)]
+        np.testing.assert_array_equal(np.array(got), np.array(want_q))
 
 
 def dense_oracle(q, k, v, C, window=None):

@@ -86,7 +86,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from macinfer.errors import MacinferError
 from macinfer.kv import paged_cache as _pc
-from macinfer.kv.paged_attention import block_slots, slice_slots, take_slots
+from macinfer.kv.paged_attention import block_slots, slice_slots, take_blocks, take_slots
 from macinfer.kv.paged_cache import PagedKVCache, head_major, write_pool
 
 
@@ -364,13 +364,14 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
             return slice_slots(k_pool, s0, s0 + lens[0])[None], slice_slots(v_pool, s0, s0 + lens[0])[None]
         ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
         return take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]
-    key = ("dense_slots", id(tables))
+    key = ("dense_tables", id(tables))
     if key not in ctx.memo:
         MB = max(-(-c // bs) for c in lens)
         padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
-        ctx.memo[key] = (block_slots(padded, bs), tables)  # tables kept alive: its id is the key
-    slots = ctx.memo[key][0]
-    return take_slots(k_pool, slots).transpose(1, 0, 2, 3), take_slots(v_pool, slots).transpose(1, 0, 2, 3)
+        ctx.memo[key] = (padded, tables)  # tables kept alive: its id is the key
+    padded = ctx.memo[key][0]
+    return (take_blocks(k_pool, padded, bs).transpose(1, 0, 2, 3),
+            take_blocks(v_pool, padded, bs).transpose(1, 0, 2, 3))
 
 
 class _ShapeRecorder:
