@@ -73,7 +73,8 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
       mlx.launch --hostfile hosts.json --backend ring -- macinfer serve MODEL   # across Macs: rank 0 serves
     """
     from macinfer.llm import LLM
-    from macinfer.serve.server import check_api_key, create_app
+    from macinfer.serve.guard import check_api_key
+    from macinfer.serve.server import create_app
 
     check_api_key(api_key)  # before the model loads
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -16,7 +16,8 @@ Design choices:
 - Structured output (`response_format` json_object / json_schema, the guided_* fields) is
   enforced while sampling, by a grammar mask on each token (macinfer.core.grammar).
 
-The request bodies, their checks and the error body are in macinfer.serve.schemas.
+The request bodies, their checks and the error body are in macinfer.serve.schemas; the API key, the
+body size limit and the error handlers in macinfer.serve.guard.
 """
 
 from __future__ import annotations
@@ -27,21 +28,17 @@ import dataclasses
 import functools
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
+from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
 from macinfer.errors import MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.serve.metrics import ServerMetrics
@@ -339,22 +336,9 @@ async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
         raise
 
 
-# A request body larger than this is refused (413): a long prompt is a few hundred KB of text, and
-# parsing and tokenising a huge body would take memory and time from every other client.
-MAX_BODY_BYTES = 8 << 20
 # Requests waiting for a place in the batch (beyond max_num_seqs running) at most; more get a 429.
 MAX_QUEUE = 256
 RETRY_AFTER_SECONDS = 1
-
-
-def check_api_key(api_key: str | None) -> None:
-    """Refuse an empty key: it would reject every client while looking like no key at all.
-
-    Raises:
-        MacinferError: api_key is "" (or only spaces).
-    """
-    if api_key is not None and not api_key.strip():
-        raise MacinferError("--api-key is empty: give a key, or leave the option out to serve without one")
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
@@ -403,7 +387,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    _add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
+    add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
 
@@ -420,87 +404,6 @@ def _load_prepared(load, spec: str):
     llm = load(spec)
     _prepare_grammars(getattr(llm, "engine", None))
     return llm
-
-
-class _RequestChecks:
-    """ASGI middleware: the API key and the announced body size, checked before any route runs.
-
-    NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's
-    disconnect from the route (Request.is_disconnected stays False), so a non-streaming request
-    ran to its end for a client that had gone.
-    """
-
-    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool):
-        self.app, self.metrics, self.api_key = app, metrics, api_key
-        self.max_body_bytes, self.health_auth = max_body_bytes, health_auth
-
-    async def __call__(self, scope, receive, send):
-        error = self._refusal(scope) if scope["type"] == "http" else None
-        if error is None:
-            return await self.app(scope, receive, send)
-        self.metrics.errors.labels(str(error.status)).inc()
-        await error.response()(scope, receive, send)
-
-    def _refusal(self, scope) -> APIError | None:
-        headers = Headers(scope=scope)
-        open_route = scope["path"] == "/health" and not self.health_auth
-        if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
-                                                                           self.api_key):
-            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                            None, "invalid_api_key")
-        size = headers.get("content-length", "")
-        if size.isdigit() and int(size) > self.max_body_bytes:
-            return _too_large(self.max_body_bytes)
-        return None
-
-
-def _too_large(max_body_bytes: int) -> APIError:
-    return APIError(413, f"the request body is too large: this server takes at most {max_body_bytes:,} bytes",
-                    None, "request_too_large")
-
-
-def _authorized(header: str, api_key: str) -> bool:
-    """`Bearer <key>`; the scheme word is case-insensitive (RFC 7235)."""
-    scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
-
-
-def _add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
-                        health_auth: bool) -> None:
-    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics.
-
-    NOTE: a body announced larger than the limit by its Content-Length is refused by _RequestChecks,
-    before anything is read; Starlette's RequestBodyLimitMiddleware (inside it) counts the bytes of
-    the others (chunked bodies) as the route reads them and raises a 413 HTTPException (`http_error`).
-    """
-    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
-    app.add_middleware(_RequestChecks, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
-                       health_auth=health_auth)  # added last: runs first
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        metrics.errors.labels(str(e.status)).inc()
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            why = (err.get("ctx") or {}).get("error")
-            msg, param = "the request body is not valid JSON" + (f": {why}" if why else ""), None
-        elif loc == [] and err.get("type") == "model_attributes_type":
-            msg, param = "the request body must be a JSON object (Content-Type: application/json)", None
-        else:
-            param = ".".join(loc) or None
-            msg = f"{param}: {err.get('msg', 'invalid value')}" if param else err.get("msg", "invalid request")
-        return await api_error(request, APIError(400, msg, param, err.get("type")))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e: StarletteHTTPException):
-        if e.status_code == 413:  # RequestBodyLimitMiddleware
-            return await api_error(request, _too_large(max_body_bytes))
-        return await api_error(request, APIError(e.status_code, str(e.detail), None, None))
 
 
 def _add_routes(app: FastAPI, server: Server) -> None:
