@@ -344,6 +344,20 @@ class _LatentContext:
         return memo[key]
 
 
+def row_context(pools, ctx, row: int, C: int, bs: int) -> list[mx.array]:
+    """One row's first C slots of each pool as mlx-lm's KVCache returns them for that row alone:
+    (1, n_kv_heads, C, D) each, one slice when its blocks are a contiguous run, else one gather
+    (its slot ids built once per forward)."""
+    blocks = list(ctx.block_tables[row][: -(-C // bs)])
+    if all(b == blocks[0] + i for i, b in enumerate(blocks)):
+        s0 = blocks[0] * bs
+        return [slice_slots(p, s0, s0 + C)[None] for p in pools]
+    key = ("row_ids", row, C)
+    if key not in ctx.memo:
+        ctx.memo[key] = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, :C]
+    return [take_slots(p, ctx.memo[key])[None] for p in pools]
+
+
 def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
     """This forward's context of every row from a cache's pools: (B, n_kv_heads, S, D) K and V.
 
@@ -358,12 +372,7 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
     tables = ctx.block_tables
     lens = ctx.context_lens
     if len(lens) == 1:
-        blocks = list(tables[0][: -(-lens[0] // bs)])
-        if all(b == blocks[0] + i for i, b in enumerate(blocks)):
-            s0 = blocks[0] * bs
-            return slice_slots(k_pool, s0, s0 + lens[0])[None], slice_slots(v_pool, s0, s0 + lens[0])[None]
-        ids = block_slots(mx.array([blocks], dtype=mx.int32), bs)[0, : lens[0]]
-        return take_slots(k_pool, ids)[None], take_slots(v_pool, ids)[None]
+        return tuple(row_context((k_pool, v_pool), ctx, 0, lens[0], bs))
     key = ("dense_tables", id(tables))
     if key not in ctx.memo:
         MB = max(-(-c // bs) for c in lens)
@@ -473,14 +482,11 @@ class _RowContext:
         if values.shape[-1]:  # minimax's indexer writes zero-width values: its pool holds a 1-wide dummy
             write_pool(c.v_pool, rows, head_major(values))
         C = self.offset + self.n
-        key = ("row_slots", self.row, C)
-        if key not in ctx.memo:
-            table = ctx.block_tables[self.row]
-            ctx.memo[key] = block_slots(mx.array([list(table[: -(-C // bs)])], dtype=mx.int32), bs)[0, :C]
-        ids = ctx.memo[key]
-        self.keys = take_slots(c.k_pool, ids)[None]
-        self.values = (take_slots(c.v_pool, ids)[None] if values.shape[-1]
-                       else mx.zeros((1, values.shape[1], C, 0), values.dtype))
+        if values.shape[-1]:
+            self.keys, self.values = row_context((c.k_pool, c.v_pool), ctx, self.row, C, bs)
+        else:
+            (self.keys,) = row_context((c.k_pool,), ctx, self.row, C, bs)
+            self.values = mx.zeros((1, values.shape[1], C, 0), values.dtype)
         return self.keys, self.values
 
 
