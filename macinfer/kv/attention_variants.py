@@ -338,7 +338,7 @@ class _LatentContext:
 
                 memo[key] = None if L == 1 else create_causal_mask(L, offset=lens[0] - L) if arrays else "causal"
             else:
-                S = dense_context(self.cache)[0].shape[2]
+                S = max(-(-c // self.cache.block_size) for c in lens) * self.cache.block_size  # dense_context's width
                 pos = mx.array(lens, dtype=mx.int32)[:, None, None] - L + mx.arange(L, dtype=mx.int32)[None, :, None]
                 memo[key] = (mx.arange(S, dtype=mx.int32)[None, None] <= pos)[:, None]  # (B, 1, L, S)
         return memo[key]
