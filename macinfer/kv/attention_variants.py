@@ -478,9 +478,9 @@ class _RowContext:
         slots = ctx.write_slots(bs)  # row-major, L per row: this row's first n are its real tokens
         first = self.row * self.L
         rows = slots + first if isinstance(slots, int) else slots[first: first + self.n]
-        write_pool(c.k_pool, rows, head_major(keys))
+        c.k_pool = write_pool(c.k_pool, rows, head_major(keys))
         if values.shape[-1]:  # minimax's indexer writes zero-width values: its pool holds a 1-wide dummy
-            write_pool(c.v_pool, rows, head_major(values))
+            c.v_pool = write_pool(c.v_pool, rows, head_major(values))
         C = self.offset + self.n
         if values.shape[-1]:
             self.keys, self.values = row_context((c.k_pool, c.v_pool), ctx, self.row, C, bs)

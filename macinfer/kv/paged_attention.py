@@ -94,7 +94,7 @@ def take_blocks(pool: mx.array | QuantPool, tables: mx.array, bs: int) -> mx.arr
 
     def take(a):
         H, S, W = a.shape
-        return a.reshape(H, S // bs, bs, W)[:, tables].reshape(H, B, MB * bs, W)
+        return a.reshape(H, S // bs, bs, W)[:, tables].reshape(H, B, MB * bs, W)  # mx.take(axis=1): 8x slower here
 
     if isinstance(pool, QuantPool):
         return mx.dequantize(take(pool.codes), take(pool.scales), take(pool.biases),

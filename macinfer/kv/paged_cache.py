@@ -157,16 +157,18 @@ def head_major(x: mx.array) -> mx.array:
     return x.reshape(B, H, D).transpose(1, 0, 2) if L == 1 else x.transpose(1, 0, 2, 3).reshape(H, B * L, D)
 
 
-def write_pool(pool: mx.array, slots: int | mx.array, x: mx.array) -> None:
-    """Write x (H, T, ...) into pool (H, num_slots, ...) at `slots` (ForwardContext.write_slots).
+def write_pool(pool: mx.array, slots: int | mx.array, x: mx.array) -> mx.array:
+    """The pool (H, num_slots, W) with x (H, T, W) written at `slots` (ForwardContext.write_slots).
 
-    NOTE: item assignment is an in-place slice update / scatter as long as nothing
-    else holds the previous pool array, so a step writes T slots, not the whole pool.
+    NOTE: in place (a slice update or a scatter into the pool's buffer) as long as nothing else
+    holds the previous pool array when it runs: the caller replaces its reference with the result.
+    Slot ids scatter along the slot axis (put_along_axis): 3 graph ops, where `pool[:, ids] = x`
+    builds 9 (an arange and casts for the head axis), and each op costs dispatch time on the CPU.
     """
     if isinstance(slots, int):
         pool[:, slots: slots + x.shape[1]] = x
-    else:
-        pool[:, slots] = x
+        return pool
+    return mx.put_along_axis(pool, mx.broadcast_to(slots[None, :, None], x.shape), x, axis=1)
 
 
 @dataclass
@@ -212,8 +214,8 @@ class PagedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         slots = self.ctx.write_slots(self.block_size)
-        write_pool(self.k_pool, slots, head_major(keys))
-        write_pool(self.v_pool, slots, head_major(values))
+        self.k_pool = write_pool(self.k_pool, slots, head_major(keys))
+        self.v_pool = write_pool(self.v_pool, slots, head_major(values))
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

@@ -83,8 +83,8 @@ class QuantizedPagedKVCache(PagedKVCache):
         slots = self.ctx.write_slots(self.block_size)
         for pools, x, g in ((self.k_q, keys, self.kg), (self.v_q, values, self.vg)):
             rows = head_major(x)  # (H, T, D)
-            for pool, part in zip(pools, mx.quantize(rows, group_size=g, bits=self.kv_bits)):
-                write_pool(pool, slots, part)
+            pools[:] = [write_pool(pool, slots, part)
+                        for pool, part in zip(pools, mx.quantize(rows, group_size=g, bits=self.kv_bits))]
         return keys, values
 
     def pools(self) -> tuple[QuantPool, QuantPool]:
