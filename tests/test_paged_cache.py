@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from macinfer.kv.paged_attention import QuantPool, block_slots, paged_attention, take_blocks
-from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache
+from macinfer.kv.paged_cache import ForwardContext, LayerSpec, PagedKVCache, write_pool
 
 BS, H, D = 4, 2, 8
 
@@ -51,6 +51,21 @@ def test_new_tokens_land_in_head_major_slots(starts, L, tables, want_slots):
     untouched = np.ones(8 * BS, bool)
     untouched[want_slots] = False
     assert not k[:, untouched].any() and not v[:, untouched].any()
+
+
+def test_write_pool_writes_in_place():
+    """Slot ids scatter into the pool's own buffer: no second pool in peak memory, only the named slots change."""
+    pool = mx.zeros((H, 1 << 18, D))  # 16 MB
+    x = mx.arange(H * 3 * D, dtype=mx.float32).reshape(H, 3, D) + 1
+    slots = mx.array([5, 70000, 9], dtype=mx.int32)
+    mx.eval(pool, x, slots)
+    mx.reset_peak_memory()
+    pool = write_pool(pool, slots, x)
+    mx.eval(pool)
+    assert mx.get_peak_memory() < pool.nbytes // 2
+    got = np.array(pool)
+    np.testing.assert_array_equal(got[:, [5, 70000, 9]], np.array(x))
+    assert np.count_nonzero(got) == np.count_nonzero(np.array(x))
 
 
 def test_block_slots():
