@@ -26,8 +26,8 @@ def cache_with_rows(starts, L, tables):
     ctx.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
     ctx.block_tables = tables
     ctx.context_lens = [s + L for s in starts]
-    ctx.slot_blocks = mx.array(blocks, dtype=mx.int32)
-    ctx.slot_offsets = mx.array([p % BS for s in starts for p in range(s, s + L)], dtype=mx.int32)
+    ctx.slot_ids = mx.array([b * BS + p % BS for b, p in zip(blocks, (p for s in starts for p in range(s, s + L)))],
+                            dtype=mx.int32)
     return PagedKVCache(ctx, LayerSpec(H, D, D, None, mx.float32), num_blocks=8, block_size=BS)
 
 

@@ -52,7 +52,7 @@ SMALL_MODEL_BYTES = 48 << 20
 MAX_GRAPHS = 32  # compiled shapes kept (least recently used dropped): each holds a traced graph
 _POOLS = ("k_pool", "v_pool")
 # Memo entries a traced forward may add itself: built from its inputs or from constants only.
-_PURE_MEMO = ("rope", "rope_full", "rope_perm", "cpu")
+_PURE_MEMO = ("rope", "rope_full", "rope_perm", "cpu", "head_blocks")
 
 
 def pays_off(model) -> bool:

@@ -209,18 +209,16 @@ class ModelRunner:
         """
         bs = self.block_size
         L = max(counts)
-        blocks, slots = [], []
+        slots = []  # built here, not as graph ops: each op costs dispatch time on the CPU
         for table, start, n in zip(tables, starts, counts):
-            blocks += [table[p // bs] for p in range(start, start + n)] + [0] * (L - n)
-            slots += [p % bs for p in range(start, start + n)] + [0] * (L - n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)] + [0] * (L - n)
         c = self.ctx
         c.offsets = starts[0] if len(starts) == 1 else mx.array(starts, dtype=mx.int32)
         c.block_tables = tables
         c.context_lens = [s + L for s in starts]
         c.prompt_lens = prompt_lens
         c.counts = list(counts)
-        c.slot_blocks = mx.array(blocks, dtype=mx.int32)
-        c.slot_offsets = mx.array(slots, dtype=mx.int32)
+        c.slot_ids = mx.array(slots, dtype=mx.int32)
         c.memo = {}
         return L
 

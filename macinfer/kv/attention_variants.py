@@ -379,8 +379,8 @@ def dense_context(cache: PagedKVCache) -> tuple[mx.array, mx.array]:
         padded = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in tables], dtype=mx.int32)
         ctx.memo[key] = (padded, tables)  # tables kept alive: its id is the key
     padded = ctx.memo[key][0]
-    return (take_blocks(k_pool, padded, bs).transpose(1, 0, 2, 3),
-            take_blocks(v_pool, padded, bs).transpose(1, 0, 2, 3))
+    return (take_blocks(k_pool, padded, bs, ctx.memo).transpose(1, 0, 2, 3),
+            take_blocks(v_pool, padded, bs, ctx.memo).transpose(1, 0, 2, 3))
 
 
 class _ShapeRecorder:

@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 
 class QuantPool(NamedTuple):
@@ -85,16 +86,26 @@ def take_slots(pool: mx.array | QuantPool, ids: mx.array) -> mx.array:
     return pool[:, ids]
 
 
-def take_blocks(pool: mx.array | QuantPool, tables: mx.array, bs: int) -> mx.array:
+def take_blocks(pool: mx.array | QuantPool, tables: mx.array, bs: int, memo: dict | None = None) -> mx.array:
     """take_slots(pool, block_slots(tables, bs)), gathered a block at a time: (n_kv_heads, B, MB * bs, head_dim).
 
-    The same values; MLX's CPU gather pays per gathered slice, so whole blocks cost ~1/bs as much.
+    The same values, cheaper on MLX's CPU backend, which pays per gathered slice and per graph op:
+    whole blocks (~1/bs of the slices), indexed in the pool seen as (n_kv_heads * num_blocks)
+    blocks, so one gather along one axis (`pool[:, tables]` adds an arange, broadcasts and casts;
+    `mx.take(axis=1)` is ~8x slower). The flat block ids are built once per forward into `memo`.
     """
     B, MB = tables.shape
 
     def take(a):
         H, S, W = a.shape
-        return a.reshape(H, S // bs, bs, W)[:, tables].reshape(H, B, MB * bs, W)  # mx.take(axis=1): 8x slower here
+        NB = S // bs
+        key = ("head_blocks", id(tables), H, NB)
+        rows = None if memo is None else memo.get(key)
+        if rows is None:
+            rows = tables[None] + (mx.arange(H, dtype=tables.dtype) * NB)[:, None, None]  # (H, B, MB)
+            if memo is not None:
+                memo[key] = rows
+        return a.reshape(H * NB, bs, W)[rows].reshape(H, B, MB * bs, W)
 
     if isinstance(pool, QuantPool):
         return mx.dequantize(take(pool.codes), take(pool.scales), take(pool.biases),
@@ -210,8 +221,8 @@ def paged_attention(
     return _sdpa(queries, k, v, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
 
 
-def visible(key: mx.array, pos: mx.array, window: int | None, chunk: int | None) -> mx.array:
-    """Boolean mask: which key positions the queries at `pos` see (module docstring)."""
+def visible(key, pos, window: int | None, chunk: int | None):
+    """Boolean mask: which key positions the queries at `pos` see (module docstring); MLX or numpy arrays."""
     mask = key <= pos
     if window is not None:
         mask = mask & (key > pos - window)
@@ -276,7 +287,8 @@ def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, wind
     batch_slots(memo, block_tables, lens, bs)  # memo["tables"] padded; the mask's width
     # One take of whole blocks: (n_kv, B, S, D) -> (B, n_kv, S, D).
     tables = memo["tables"]
-    k, v = take_blocks(k_pool, tables, bs).transpose(1, 0, 2, 3), take_blocks(v_pool, tables, bs).transpose(1, 0, 2, 3)
+    k, v = (take_blocks(k_pool, tables, bs, memo).transpose(1, 0, 2, 3),
+            take_blocks(v_pool, tables, bs, memo).transpose(1, 0, 2, 3))
     return k, v, batch_mask(memo, lens, q_len, window, chunk, prompt)
 
 
@@ -299,10 +311,13 @@ def batch_mask(memo: dict, lens: list[int], q_len: int, window, chunk, prompt=No
     key_ = ("mask", window, chunk, q_len, prompt and prompt[0])
     if key_ not in memo:
         S = memo["slots"].shape[1]
-        ctx = mx.array(lens, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
-        pos = ctx - q_len + mx.arange(q_len, dtype=mx.int32)[None, :, None]  # (B, q_len, 1)
-        key = mx.arange(S, dtype=mx.int32)[None, None, :]  # (1, 1, S)
-        memo[key_] = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]
+        # Built with numpy when it can be (no prompt window): one array, not a dozen graph ops per step.
+        xp = np if prompt is None else mx
+        ctx = xp.array(lens, dtype=xp.int32)[:, None, None]  # (B, 1, 1)
+        pos = ctx - q_len + xp.arange(q_len, dtype=xp.int32)[None, :, None]  # (B, q_len, 1)
+        key = xp.arange(S, dtype=xp.int32)[None, None, :]  # (1, 1, S)
+        mask = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]
+        memo[key_] = mx.array(mask) if xp is np else mask
     return memo[key_]
 
 

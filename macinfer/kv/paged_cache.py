@@ -63,8 +63,7 @@ class ForwardContext:
         offsets        int, or int32 (B,): position of each row's first new token
         block_tables   B lists of block ids
         context_lens   B ints: tokens in context after this step
-        slot_blocks    int32 (T,): block id of each new token, row-major
-        slot_offsets   int32 (T,): slot inside that block
+        slot_ids       int32 (T,): pool slot of each new token, row-major (block * block_size + offset)
         prompt_lens    B ints: each row's prompt length (a prompt window needs it), or None
         counts         B ints: each row's real new tokens (the rest of q_len is padding), or None
     """
@@ -72,8 +71,7 @@ class ForwardContext:
     offsets: int | mx.array = 0
     block_tables: list[list[int]] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
-    slot_blocks: mx.array | None = None
-    slot_offsets: mx.array | None = None
+    slot_ids: mx.array | None = None
     prompt_lens: list[int] | None = None
     counts: list[int] | None = None
     memo: dict = field(default_factory=dict)  # paged_attention's per-forward arrays
@@ -139,7 +137,7 @@ class ForwardContext:
             blocks = table[start // bs: -(-end // bs)]
             if _contiguous_run(blocks):
                 return blocks[0] * bs + start % bs
-        return self.slot_blocks * bs + self.slot_offsets
+        return self.slot_ids
 
 
 def _contiguous_run(blocks) -> bool:
