@@ -81,6 +81,11 @@ def test_take_blocks_gathers_what_the_slot_ids_name(bits):
                       mx.array(tables, dtype=mx.int32), BS)
     want = np.array(pool)[:, [[b * BS + o for b in t for o in range(BS)] for t in tables]]
     assert got.shape == (H, 2, 3 * BS, 64)
+    memo, t = {}, mx.array(tables, dtype=mx.int32)  # the flat block ids, built once, serve a second pool too
+    wide = mx.concatenate([pool, pool + 1], axis=0)  # 2H heads: other ids, same memo
+    for p_, want_ in ((pool, want), (wide, np.array(wide)[:, block_slots(t, BS)]), (pool, want)):
+        np.testing.assert_array_equal(np.array(take_blocks(p_, t, BS, memo)), want_)
+    assert len(memo) == 2
     if bits is None:
         np.testing.assert_array_equal(np.array(got), want)
     else:
