@@ -357,7 +357,7 @@ class LLMEngine(PipelinedSteps):
 
     def _delta(self, seq: Sequence, end: int) -> StreamDelta | None:
         text = seq.text[seq.num_emitted_chars: end]
-        new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]  # not output_token_ids[...]: two copies
         if not text and not new_ids:
             return None
         logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_emitted_tokens:]
