@@ -1,6 +1,9 @@
 """AsyncEngine: how a step's deltas reach the asyncio side."""
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -69,3 +72,32 @@ def test_one_engine_is_stepped_by_one_async_engine_at_a_time():
     finally:
         first.shutdown()
     AsyncEngine(engine).start().shutdown()  # once the first is down, another may take over
+
+
+def test_a_process_that_served_a_model_exits_cleanly(tiny_models):
+    """The engine thread's MLX thread state (compiled traces, random key) is freed before the thread ends:
+    left to the thread's C++ exit, it raced the interpreter's exit and aborted the process (exit 134,
+    "terminate called without an active exception") about every other run."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from macinfer.llm import LLM
+        from macinfer.core.sampling import SamplingParams
+        from macinfer.serve.async_engine import AsyncEngine
+
+        llm = LLM({str(tiny_models("llama"))!r})
+        aengine = AsyncEngine(llm.engine).start()
+
+        async def one(i):
+            async for _ in aengine.generate([5 + i, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)):
+                pass
+
+        async def main():
+            await asyncio.gather(*(one(i) for i in range(3)))
+
+        asyncio.run(main())
+        aengine.shutdown()
+        assert llm.engine.runner.decode_graph.num_traces > 0  # a compiled graph was traced on the engine thread
+    """)
+    for _ in range(4):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-800:]

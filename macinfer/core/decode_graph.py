@@ -74,6 +74,14 @@ class DecodeGraph:
         self._checked = False
         self.num_traces = 0  # how many shapes were traced (tests; a steady batch traces once per bucket)
 
+    def release(self) -> None:
+        """Drop the compiled graphs (LLMEngine.release_thread: before the thread that traced them ends).
+
+        A compiled function erases its traces from the cache of the thread that created it; called
+        from another thread, it would leave traces there. The next step traces again, on its thread.
+        """
+        self._fns.clear()
+
     def usable(self, seqs: list) -> bool:
         """Whether this decode batch may run compiled: two rows or more (module docstring), each with a
         state to pad beside, if the model has state layers."""

@@ -29,6 +29,7 @@ import time
 import uuid
 from functools import partial
 
+import mlx.core as mx
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.core.decode_graph import DecodeGraph, pays_off as decode_graph_pays_off
@@ -250,6 +251,21 @@ class LLMEngine(PipelinedSteps):
         if self.spec is not None:
             self.spec.remove(request_id)
         self._pending.append(self._finish(seq))
+
+    def release_thread(self) -> None:
+        """Called by a thread that stepped this engine, just before it ends.
+
+        MLX keeps per thread what a thread's forwards made (compiled traces, mlx-lm's @mx.compile
+        functions among them, and the random key), holding Python objects. Left to the thread's end,
+        they are freed after Python has let go of the thread; if the interpreter is exiting by then,
+        their destructor cannot take the GIL and the process aborts ("terminate called without an
+        active exception"). mx.clear_streams frees them now, as MLX's own threaded tests do; our
+        compiled graphs are dropped first, so another thread traces its own
+        (macinfer.core.decode_graph.DecodeGraph.release).
+        """
+        if self.runner.decode_graph is not None:
+            self.runner.decode_graph.release()
+        mx.clear_streams()  # this thread's streams, compile cache and random key; the evaluator's stream is global
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None

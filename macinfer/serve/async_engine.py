@@ -163,6 +163,10 @@ class AsyncEngine:
             self._stopping = True
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
+        finally:
+            release = getattr(self.engine, "release_thread", None)  # the mlx-lm fallback has none
+            if release is not None:
+                release()
 
     def _drain_inbox(self) -> None:
         while True:
