@@ -133,8 +133,9 @@ def test_a_dying_rank_stops_the_other_with_one_line(tiny_models, tmp_path):
     res = _launch(tiny_models("llama", num_layers=2), tmp_path / "out.json", "tensor", {}, "20")
     assert "rank 0 exited with code 1" in res.stderr  # mlx.launch's own report (its exit status is 0)
     assert not (tmp_path / "out.json").exists()
-    lines = [x for x in res.stderr.splitlines() if x.startswith("error: rank 0 of 2")]
-    assert len(lines) == 1, res.stderr[-2000:]
+    # mlx.launch relays each rank's stderr beside its own colored warnings: a line can arrive
+    # glued to one of them ("\x1b[33m[WARN]error: rank 0 ..."), so count the message, not line starts.
+    assert res.stderr.count("error: rank 0 of 2") == 1, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
 
 
