@@ -120,7 +120,7 @@ def test_pools_are_written_in_place(load):
     assert mx.get_peak_memory() - before < 0.25 * engine.runner.kv_bytes  # a copy of the pools would add all of it
 
 
-def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypatch):
+def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypatch, capsys):
     import macinfer.core.decode_graph as decode_graph
 
     model, tok = load("llama")
@@ -131,3 +131,8 @@ def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypat
     monkeypatch.setattr(decode_graph, "SMALL_MODEL_BYTES", 1 << 10)
     assert LLMEngine(model, tok, None, num_blocks=8).runner.decode_graph is None
     assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=True).runner.decode_graph is not None
+    # Without the eval thread (mx.async_eval pipelining), never: a compiled step could copy the whole pool.
+    assert LLMEngine(model, tok, None, num_blocks=8, eval_thread=False).runner.decode_graph is None
+    capsys.readouterr()
+    assert LLMEngine(model, tok, None, num_blocks=8, eval_thread=False, compile_decode=True).runner.decode_graph is None
+    assert capsys.readouterr().err == "note: compile_decode is off: it needs the eval thread (eval_thread=True)\n"

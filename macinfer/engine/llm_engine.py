@@ -90,7 +90,7 @@ class LLMEngine(PipelinedSteps):
         # The CPU-backend defaults below hold for one process and a forward built lazily (read from source once).
         cpu_lazy = ranks is None and threads_pay_off() and not forward_evaluates(model)
         self.runner.evaluator = _evaluator(config, cpu_lazy)
-        if _compiles_decode(config, ranks, model, cpu_lazy):
+        if _compiles_decode(config, ranks, model, cpu_lazy, self.runner.evaluator.threaded):
             self.runner.decode_graph = DecodeGraph(self.runner)
         self.scheduler = self._make_scheduler(states, snapshots)
         from macinfer.kv.kernel_dispatch import select_attention
@@ -413,11 +413,19 @@ def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:
     return StepEvaluator(threaded and config.async_scheduling)
 
 
-def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool) -> bool:
+def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threaded: bool) -> bool:
     """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default where
     `cpu_lazy` holds, for a small model; never for a forward that evaluates as it is built (tracing must
-    not evaluate) or across ranks."""
+    not evaluate) or across ranks, and only with the threaded evaluator.
+
+    NOTE: with mx.async_eval pipelining instead (no eval thread), a compiled step was seen to find
+    the previous step's pool still referenced now and then, and to copy the whole KV pool.
+    """
     if config.compile_decode is False or not config.async_scheduling:
+        return False
+    if not threaded:
+        if config.compile_decode:
+            print("note: compile_decode is off: it needs the eval thread (eval_thread=True)", file=sys.stderr)
         return False
     if config.compile_decode:
         return ranks is None and not forward_evaluates(model)

@@ -4,8 +4,8 @@ Two measurements, each repetition alternating the configurations so that a busy 
 them alike (float32 weights + OpenBLAS on a CPU host: docs/platform.md):
 
   direct   the engine stepped by hand: 16 rows (64-token prompts) decoding 40 tokens; decode ms
-           per step, compiled or eager, with launched steps evaluated on the worker thread or with
-           mx.async_eval (EngineConfig.compile_decode, eval_thread);
+           per step, compiled or eager on the worker thread, and eager with mx.async_eval
+           (EngineConfig.compile_decode, eval_thread; compiling needs the worker thread);
   server   the path `macinfer bench` measures (AsyncEngine, asyncio clients): 16 concurrent
            requests, 64-token prompts, 32 new tokens; wall ms, compiled or eager.
 
@@ -34,7 +34,6 @@ from macinfer.llm import LLM  # noqa: E402
 from macinfer.perf import bench  # noqa: E402
 
 DIRECT = {"compiled, thread": dict(compile_decode=True), "eager, thread": dict(compile_decode=False),
-          "compiled, async_eval": dict(compile_decode=True, eval_thread=False),
           "eager, async_eval": dict(compile_decode=False, eval_thread=False)}
 
 
