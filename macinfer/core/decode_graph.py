@@ -9,8 +9,8 @@ decode step: traced once for a shape, replayed every step after.
 
 What a replay may depend on must be an input of the compiled function, never a value baked in
 while tracing. So everything a paged forward derives from the host's block tables is built
-before the call and handed in: the rows' rope offsets, their write slots, the padded slot table
-and the masks (`batch_slots`, `batch_mask`); the KV pools and the rows' recurrent states go
+before the call and handed in: the rows' rope offsets, their write slots, the padded block tables
+and the masks (`batch_tables`, `batch_mask`); the KV pools and the rows' recurrent states go
 in as inputs and come back as outputs. The batch is padded to `batch_bucket` rows (padding rows
 read and write the null block) and the slot table to `block_bucket` blocks, so that the shapes,
 and with them the trace, change rarely: a trace costs several eager builds.
@@ -40,7 +40,7 @@ import logging
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from macinfer.kv.paged_attention import batch_mask, batch_slots
+from macinfer.kv.paged_attention import batch_mask, batch_tables
 from macinfer.kv.paged_cache import PagedKVCache
 
 log = logging.getLogger("macinfer.core.decode_graph")
@@ -127,7 +127,7 @@ class DecodeGraph:
     def _run(self, args: tuple, memo: dict) -> tuple:
         """(logits, pools, states) from the compiled graph of these shapes, or eagerly where it is not exact."""
         keys = tuple(memo)
-        key = (keys, args[0].shape[0], memo["slots"].shape[1])
+        key = (keys, args[0].shape[0], memo["tables"].shape[1])
         fn = self._fns.pop(key, None) or mx.compile(self._traced(keys))
         self._fns[key] = fn  # most recently used last
         while len(self._fns) > MAX_GRAPHS:
@@ -161,15 +161,15 @@ class DecodeGraph:
         return forward
 
     def _host_memo(self) -> dict:
-        """What the forward would build from host data: write slots, the padded slot table, its masks."""
+        """What the forward would build from host data: write slots, the padded block tables, their masks."""
         r, ctx = self.runner, self.runner.ctx
         bs = r.block_size
         memo: dict = {}
         memo[("write_slots", bs)] = ctx.write_slots(bs)  # slot ids (T,): B > 1 rows never take the one-slice path
         need = max(-(-c // bs) for c in ctx.context_lens)
-        batch_slots(memo, ctx.block_tables, ctx.context_lens, bs, min_blocks=block_bucket(need))
+        batch_tables(memo, ctx.block_tables, ctx.context_lens, bs, min_blocks=block_bucket(need))
         for c in r.pool_caches:
-            batch_mask(memo, ctx.context_lens, 1, c.window, c.chunk)
+            batch_mask(memo, ctx.context_lens, bs, 1, c.window, c.chunk)
         return memo
 
     # -- cache state in and out --------------------------------------------------------

@@ -86,7 +86,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from macinfer.errors import MacinferError
 from macinfer.kv import paged_cache as _pc
-from macinfer.kv.paged_attention import block_slots, slice_slots, take_blocks, take_slots
+from macinfer.kv.paged_attention import block_slots, contiguous_run, slice_slots, take_blocks, take_slots
 from macinfer.kv.paged_cache import PagedKVCache, head_major, write_pool
 
 
@@ -349,7 +349,7 @@ def row_context(pools, ctx, row: int, C: int, bs: int) -> list[mx.array]:
     (1, n_kv_heads, C, D) each, one slice when its blocks are a contiguous run, else one gather
     (its slot ids built once per forward)."""
     blocks = list(ctx.block_tables[row][: -(-C // bs)])
-    if all(b == blocks[0] + i for i, b in enumerate(blocks)):
+    if contiguous_run(blocks):
         s0 = blocks[0] * bs
         return [slice_slots(p, s0, s0 + C)[None] for p in pools]
     key = ("row_ids", row, C)

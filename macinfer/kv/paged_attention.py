@@ -131,7 +131,7 @@ def block_slots(block_tables: mx.array, block_size: int) -> mx.array:
     return (block_tables[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(B, MB * block_size)
 
 
-def _contiguous_run(block_table: list[int]) -> bool:
+def contiguous_run(block_table: list[int]) -> bool:
     return all(b == block_table[0] + i for i, b in enumerate(block_table))
 
 
@@ -156,7 +156,7 @@ def reads_one_slice(block_tables, context_lens, q_len: int, bs: int, window: int
     (mlx-lm's own path: a KVCache slice into MLX's SDPA)."""
     if len(context_lens) != 1 or isinstance(block_tables, mx.array):
         return False
-    return _contiguous_run(row_blocks(block_tables[0], int(context_lens[0]), q_len, bs, window, chunk)[1])
+    return contiguous_run(row_blocks(block_tables[0], int(context_lens[0]), q_len, bs, window, chunk)[1])
 
 
 def paged_attention(
@@ -253,7 +253,7 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, chunk, pro
     q_len = queries.shape[2]
     first, blocks = row_blocks(table, C, q_len, bs, window, chunk, prompt and prompt[0])
     S = C - first
-    if _contiguous_run(blocks):
+    if contiguous_run(blocks):
         # Blocks handed out in order (the usual single-stream case): one slice, no copy.
         s0 = blocks[0] * bs
         k, v = slice_slots(k_pool, s0, s0 + S)[None], slice_slots(v_pool, s0, s0 + S)[None]  # (1, n_kv, S, D)
@@ -284,16 +284,15 @@ def _one_row(queries, k_pool, v_pool, table, C: int, bs: int, window, chunk, pro
 def _batch(queries, k_pool, v_pool, block_tables, lens: list[int], bs: int, window, chunk, prompt, memo: dict):
     """Several rows: (k, v, mask) with every table padded to the longest with the null block, masked per row."""
     q_len = queries.shape[2]
-    batch_slots(memo, block_tables, lens, bs)  # memo["tables"] padded; the mask's width
     # One take of whole blocks: (n_kv, B, S, D) -> (B, n_kv, S, D).
-    tables = memo["tables"]
+    tables = batch_tables(memo, block_tables, lens, bs)
     k, v = (take_blocks(k_pool, tables, bs, memo).transpose(1, 0, 2, 3),
             take_blocks(v_pool, tables, bs, memo).transpose(1, 0, 2, 3))
-    return k, v, batch_mask(memo, lens, q_len, window, chunk, prompt)
+    return k, v, batch_mask(memo, lens, bs, q_len, window, chunk, prompt)
 
 
-def batch_slots(memo: dict, block_tables, lens: list[int], bs: int, min_blocks: int = 0) -> mx.array:
-    """The (B, S) slot ids a batch gathers, each table padded with the null block to the longest
+def batch_tables(memo: dict, block_tables, lens: list[int], bs: int, min_blocks: int = 0) -> mx.array:
+    """The (B, MB) block tables a batch gathers, each padded with the null block to the longest
     (or to min_blocks, if more: macinfer.core.decode_graph keeps shapes steady that way); once per forward."""
     if "tables" not in memo:
         if isinstance(block_tables, mx.array):
@@ -301,16 +300,15 @@ def batch_slots(memo: dict, block_tables, lens: list[int], bs: int, min_blocks: 
         else:
             MB = max(min_blocks, max(-(-c // bs) for c in lens))
             memo["tables"] = mx.array([list(t[:MB]) + [0] * (MB - len(t[:MB])) for t in block_tables], dtype=mx.int32)
-    if "slots" not in memo:
-        memo["slots"] = block_slots(memo["tables"], bs)  # (B, S)
-    return memo["slots"]
+    return memo["tables"]
 
 
-def batch_mask(memo: dict, lens: list[int], q_len: int, window, chunk, prompt=None) -> mx.array:
-    """(B, 1, q_len, S) which of `batch_slots`' keys each query sees (it hides the padding: pos < C); once per forward."""
+def batch_mask(memo: dict, lens: list[int], bs: int, q_len: int, window, chunk, prompt=None) -> mx.array:
+    """(B, 1, q_len, S) which of the keys `batch_tables` reads (S = MB * bs) each query sees (it hides the
+    padding: pos < C); once per forward."""
     key_ = ("mask", window, chunk, q_len, prompt and prompt[0])
     if key_ not in memo:
-        S = memo["slots"].shape[1]
+        S = memo["tables"].shape[1] * bs
         # Built with numpy when it can be (no prompt window): one array, not a dozen graph ops per step.
         xp = np if prompt is None else mx
         ctx = xp.array(lens, dtype=xp.int32)[:, None, None]  # (B, 1, 1)

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.kv.metal_attention import padded_tables
-from macinfer.kv.paged_attention import paged_attention, reads_one_slice
+from macinfer.kv.paged_attention import contiguous_run, paged_attention, reads_one_slice
 
 
 @dataclass
@@ -135,13 +135,9 @@ class ForwardContext:
             start, table = self.offsets, self.block_tables[0]
             end = self.context_lens[0]  # one past the last new token
             blocks = table[start // bs: -(-end // bs)]
-            if _contiguous_run(blocks):
+            if contiguous_run(blocks):
                 return blocks[0] * bs + start % bs
         return self.slot_ids
-
-
-def _contiguous_run(blocks) -> bool:
-    return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
 
 def head_major(x: mx.array) -> mx.array:
