@@ -18,7 +18,7 @@ from macinfer.kv.paged_cache import current_forward
 
 
 def test_buckets():
-    assert [batch_bucket(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 24, 25)] == [2, 4, 4, 8, 8, 16, 16, 24, 24, 32]
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25)] == [2, 2, 4, 4, 8, 8, 16, 16, 24, 24, 32]
     assert [block_bucket(n) for n in (1, 8, 9, 64, 65, 72, 73, 128, 129, 1000)] == [8, 8, 16, 64, 72, 72, 80, 128, 144,
                                                                                   1024]
 
@@ -63,6 +63,7 @@ def test_compiled_decode_equals_mlx_lm(load, hybrid, arch):
     graph = engine.runner.decode_graph
     assert graph.enabled and graph._checked  # its first replay matched the eager forward bit for bit
     assert len(calls) > 20 and {batch_bucket(n) for n, _ in calls} >= {2, 4, 8}
+    assert min(n for n, _ in calls) == 1  # the last row alone runs compiled too (padded to two)
     # One trace per (batch bucket, block bucket) met, not one per shape.
     assert graph.num_traces == len({(batch_bucket(n), block_bucket(b)) for n, b in calls}) < len(set(calls))
 

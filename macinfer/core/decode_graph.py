@@ -23,8 +23,8 @@ and with them the trace, change rarely: a trace costs several eager builds.
 
 Guards, since a wrong replay would be silent:
 - Only models whose every paged cache is a plain PagedKVCache (state layers: SlotCache), with
-  no kernel dispatch, no hidden-state sink, and batches of two rows or more (one row takes the
-  slice path, sized by host ints).
+  no kernel dispatch and no hidden-state sink. A lone row is padded to two: one row would take
+  paged attention's slice path, sized by host ints that a trace would bake in.
 - A trace that adds a memo entry the host did not build (the forward built an array from host
   data: a prompt window, a kernel's tables) is discarded, and the model runs eagerly for good.
 - The first replay (not the tracing call, which computes what the eager forward would) is checked
@@ -83,10 +83,10 @@ class DecodeGraph:
         self._fns.clear()
 
     def usable(self, seqs: list) -> bool:
-        """Whether this decode batch may run compiled: two rows or more (module docstring), each with a
-        state to pad beside, if the model has state layers."""
+        """Whether this decode batch may run compiled: each row with a state to pad beside, if the model
+        has state layers."""
         r = self.runner
-        return (self.enabled and len(seqs) > 1 and r.ctx.attention_fn is None and r.hidden_sink is None
+        return (self.enabled and r.ctx.attention_fn is None and r.hidden_sink is None
                 and (r.states is None or r.states.all_held(seqs)))
 
     def logits(self, seqs: list, tokens: mx.array) -> mx.array:
@@ -215,12 +215,13 @@ class DecodeGraph:
 
 
 def batch_bucket(n: int) -> int:
-    """Rows a decode batch of n is padded to: a power of two up to 8, then a multiple of 8.
+    """Rows a decode batch of n is padded to: a power of two from 2 up to 8, then a multiple of 8.
 
-    A request joining or leaving then retraces only when the count crosses a bucket.
+    A request joining or leaving then retraces only when the count crosses a bucket. A lone row is
+    padded too (the module docstring says why).
     """
     if n <= 8:
-        return 1 << (n - 1).bit_length()
+        return max(2, 1 << (n - 1).bit_length())
     return -(-n // 8) * 8
 
 
