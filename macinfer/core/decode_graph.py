@@ -83,10 +83,10 @@ class DecodeGraph:
         self._fns.clear()
 
     def usable(self, seqs: list) -> bool:
-        """Whether this decode batch may run compiled: each row with a state to pad beside, if the model
-        has state layers."""
+        """Whether this decode batch may run compiled: a model that takes a batch's offsets as an array
+        (a lone row is padded to two), each row with a state to pad beside, if the model has state layers."""
         r = self.runner
-        return (self.enabled and r.ctx.attention_fn is None and r.hidden_sink is None
+        return (self.enabled and r.batch_decode and r.ctx.attention_fn is None and r.hidden_sink is None
                 and (r.states is None or r.states.all_held(seqs)))
 
     def logits(self, seqs: list, tokens: mx.array) -> mx.array:
