@@ -3,7 +3,8 @@
 The `mlx-cpu` wheel links the reference netlib BLAS (2-3 GFLOP/s sgemm). If the
 system OpenBLAS is loaded into the process first with RTLD_GLOBAL, MLX's float32
 matmuls resolve to it and prefill gets 20-50x faster (docs/platform.md, "MLX's CPU backend"). This must
-run before the first `import mlx`; `macinfer/__init__.py` does it.
+run before the first `import mlx`; `macinfer/__init__.py` does it. Imported after mlx, it is too late
+(MLX has bound its BLAS for good) and it says so in one line on stderr.
 
 Set MACINFER_NO_OPENBLAS=1 to keep the bundled BLAS (used by the benchmark that
 measures the difference).
@@ -37,8 +38,12 @@ def load_openblas() -> str | None:
         return loaded
     if os.environ.get("MACINFER_NO_OPENBLAS", "") not in ("", "0"):
         return None
+    found = next((p for p in CANDIDATES if os.path.exists(p)), None)
     if "mlx.core" in sys.modules:
-        # Too late: MLX already bound its BLAS symbols.
+        # Too late: MLX already bound its BLAS symbols (loading it now changes nothing, measured).
+        if found:
+            print("warning: mlx was imported before macinfer, so MLX keeps its bundled reference BLAS "
+                  "(float32 matmuls 20-50x slower): import macinfer first", file=sys.stderr)
         return None
     for path in CANDIDATES:
         if os.path.exists(path):
