@@ -101,3 +101,31 @@ def test_a_process_that_served_a_model_exits_cleanly(tiny_models):
     for _ in range(4):
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-800:]
+
+
+def test_a_process_that_exits_mid_generation_exits_cleanly(tiny_models):
+    """Nobody calls shutdown and requests are still running as the interpreter exits: the engine is
+    stopped at exit (an atexit hook), its launched step drained, its MLX state freed. Left alone, the
+    daemon threads were cut off inside MLX and the process aborted (exit 134) about every third run."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from macinfer.llm import LLM
+        from macinfer.core.sampling import SamplingParams
+        from macinfer.serve.async_engine import AsyncEngine
+
+        llm = LLM({str(tiny_models("llama"))!r})
+        aengine = AsyncEngine(llm.engine).start()
+
+        async def one(n):
+            async for _ in aengine.generate([5, 6, 7, 8] * 8, SamplingParams(max_tokens=n, ignore_eos=True)):
+                pass
+
+        async def main():
+            running = [asyncio.get_running_loop().create_task(one(400)) for _ in range(4)]
+            await one(12)  # returns while the four others still generate
+
+        asyncio.run(main())
+    """)
+    for _ in range(4):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-800:]

@@ -24,6 +24,7 @@ slots out of the same budget first, and with the prefix cache on their state sna
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import uuid
@@ -263,6 +264,8 @@ class LLMEngine(PipelinedSteps):
         compiled graphs are dropped first, so another thread traces its own
         (macinfer.core.decode_graph.DecodeGraph.release).
         """
+        with contextlib.suppress(Exception):  # a launched step failed that nobody will read: we are ending
+            self.runner.evaluator.drain()  # no launched step may still run inside MLX when the thread ends
         if self.runner.decode_graph is not None:
             self.runner.decode_graph.release()
         mx.clear_streams()  # this thread's streams, compile cache and random key; the evaluator's stream is global

@@ -19,11 +19,13 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import AsyncIterator, Callable
 
 from macinfer.core.outputs import StreamDelta
@@ -79,6 +81,7 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
             self._thread.start()
+            atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -221,3 +224,14 @@ class AsyncEngine:
 def _put_all(items: list) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    """A process exiting with its engine thread still stepping (nobody called shutdown) stops it first.
+
+    The thread must free its MLX state while Python can still run its destructors
+    (LLMEngine.release_thread); a daemon thread cut off inside MLX at exit aborts the process.
+    """
+    aengine = ref()
+    if aengine is not None:
+        aengine.shutdown()
