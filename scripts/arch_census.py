@@ -46,7 +46,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 8
 CHUNK = 8  # max_num_batched_tokens: prompts are prefilled in several chunks
-TIMEOUT = 600  # per type; jamba alone takes about 220 s on a 2-core VM (mamba v1's scan is exp-bound there)
+TIMEOUT = 600  # per type: the slowest (jamba, whose mamba v1 scan is exp-bound on the CPU) takes minutes on 2 cores
 # Not model types: helpers that live next to the models in mlx_lm/models/.
 NOT_MODELS = {"base", "cache", "activations", "rope_utils", "switch_layers", "ssm", "pipeline", "gated_delta",
               "mla", "bitlinear_layers"}
