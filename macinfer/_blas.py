@@ -38,19 +38,18 @@ def load_openblas() -> str | None:
         return loaded
     if os.environ.get("MACINFER_NO_OPENBLAS", "") not in ("", "0"):
         return None
-    found = next((p for p in CANDIDATES if os.path.exists(p)), None)
+    present = [p for p in CANDIDATES if os.path.exists(p)]
     if "mlx.core" in sys.modules:
         # Too late: MLX already bound its BLAS symbols (loading it now changes nothing, measured).
-        if found:
+        if present:
             print("warning: mlx was imported before macinfer, so MLX keeps its bundled reference BLAS "
                   "(float32 matmuls 20-50x slower): import macinfer first", file=sys.stderr)
         return None
-    for path in CANDIDATES:
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            loaded = path
-            return path
+    for path in present:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        loaded = path
+        return path
     return None
