@@ -158,3 +158,21 @@ def test_few_queries_use_an_additive_mask_bit_identical_to_causal(q_len):
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
     assert mx.array_equal(got, want).item()
     assert any(key[0] == "causal_add" for key in memo) == (q_len <= pa._SMALL_Q)
+
+
+def test_decode_mask_shortcut_equals_the_general_rule():
+    """One query per row, no window: batch_mask's two-op shortcut marks what `visible` marks."""
+    from macinfer.kv.paged_attention import batch_mask, batch_tables, visible
+
+    rng = np.random.default_rng(3)
+    for B in (1, 2, 5, 16):
+        lens = [int(x) for x in rng.integers(1, 7 * BS, B)]
+        tables = [list(range(-(-c // BS))) for c in lens]
+        memo = {}
+        batch_tables(memo, tables, lens, BS, min_blocks=8)
+        got = np.array(batch_mask(memo, lens, BS, 1, None, None))
+        S = memo["tables"].shape[1] * BS
+        pos = np.array(lens)[:, None, None] - 1
+        want = visible(np.arange(S)[None, None, :], pos, None, None)[:, None]
+        assert got.shape == (B, 1, 1, S) and got.dtype == np.bool_
+        assert (got == want).all()

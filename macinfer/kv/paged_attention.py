@@ -47,6 +47,7 @@ token before the last one and not the first of a 2048-token forward, else W toke
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import mlx.core as mx
@@ -309,6 +310,12 @@ def batch_mask(memo: dict, lens: list[int], bs: int, q_len: int, window, chunk, 
     key_ = ("mask", window, chunk, q_len, prompt and prompt[0])
     if key_ not in memo:
         S = memo["tables"].shape[1] * bs
+        if q_len == 1 and window is None and chunk is None and prompt is None:
+            # A plain decode row sees the keys before its context length: two numpy ops. This runs on
+            # the engine thread each step while the step before evaluates; each numpy op costs several
+            # times its idle cost then, so the general path below would cost ~5x as much.
+            memo[key_] = mx.array((_arange(S) < np.array(lens, dtype=np.int32)[:, None]).reshape(len(lens), 1, 1, S))
+            return memo[key_]
         # Built with numpy when it can be (no prompt window): one array, not a dozen graph ops per step.
         xp = np if prompt is None else mx
         ctx = xp.array(lens, dtype=xp.int32)[:, None, None]  # (B, 1, 1)
@@ -317,6 +324,14 @@ def batch_mask(memo: dict, lens: list[int], bs: int, q_len: int, window, chunk, 
         mask = visible(key, pos, query_windows(pos, window, prompt), chunk)[:, None]
         memo[key_] = mx.array(mask) if xp is np else mask
     return memo[key_]
+
+
+@lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    """0..n-1 as int32, shared (read-only): the key positions of a batch mask."""
+    a = np.arange(n, dtype=np.int32)
+    a.flags.writeable = False
+    return a
 
 
 def _sdpa(queries, k, v, *, scale, mask, sinks, softcap):
