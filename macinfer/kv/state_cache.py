@@ -229,7 +229,9 @@ class StateStore:
         self._where: dict[int, tuple[_Batch, int]] = {}  # slot -> (batch, row) of its current state
         self._current: _Batch | None = None
         self._copy = False
-        self._before: dict[int, tuple | None] = {}  # the last forward's slots, where they were before it
+        # The last forward's slots and where each one's state was before it (rollback); a slot
+        # released since is no longer among them.
+        self._before: tuple[list[int], list[tuple | None]] = ([], [])
 
     def model_caches(self, kv_caches: list) -> list:
         """The cache list the model is called with: the runner's attention caches and our SlotCaches, per layout."""
@@ -242,11 +244,12 @@ class StateStore:
         lengths = None if all(n == L for n in counts) else mx.array(counts, dtype=mx.int32)
         states = self._gather(slots)
         batch = _Batch([len(s.shapes) for s in self.specs], len(slots))
-        before = {slot: self._where.get(slot) for slot in slots}
+        # Lists, not a dict per forward: a dict of 16+ entries is a malloc, and mallocs on the engine
+        # thread contend with MLX's threads freeing their arrays.
+        where = self._where
+        self._before = (slots, [where.get(slot) for slot in slots])  # for rollback()
         for row, slot in enumerate(slots):
-            self.release(slot)
-            self._where[slot] = (batch, row)
-        self._before = before  # for rollback()
+            where[slot] = (batch, row)
         self._current = batch
         # A prefill chunk's conv state is often a view into the chunk's whole (B, L + K - 1, C)
         # input: copy it so the slot does not hold that buffer until the sequence's next forward.
@@ -310,9 +313,11 @@ class StateStore:
     def rollback(self, seqs: list) -> None:
         """Give these rows of the last forward back the states they had before it (speculative
         verification: the forward also consumed drafts that were rejected)."""
+        slots, befores = self._before
+        index = {slot: i for i, slot in enumerate(slots)}
         for seq in seqs:
             slot = self.slot_of(seq)
-            before = self._before[slot]
+            before = befores[index[slot]]  # KeyError: not in the last forward, or released since
             if before is None:
                 self._where.pop(slot, None)
             else:
@@ -353,7 +358,10 @@ class StateStore:
     def release(self, slot: int) -> None:
         """Forget slot's state (the sequence finished, was preempted, or is about to get a new one)."""
         self._where.pop(slot, None)  # a batch no slot refers to any more goes, arrays and all
-        self._before.pop(slot, None)
+        slots, befores = self._before
+        if slot in slots:
+            i = slots.index(slot)
+            del slots[i], befores[i]
 
     @property
     def num_live_batches(self) -> int:
