@@ -74,6 +74,40 @@ def test_one_engine_is_stepped_by_one_async_engine_at_a_time():
     AsyncEngine(engine).start().shutdown()  # once the first is down, another may take over
 
 
+def test_a_burst_of_requests_to_an_idle_engine_is_stepped_together():
+    """Requests sent a few ms apart to an idle engine all make its first step (AsyncEngine._settle);
+    without the wait, the engine thread steps as soon as the first one is in."""
+    import threading
+    import time
+
+    engine = Ticker(1, wait_for=1)
+    firsts = []
+    real_step = engine.step
+    engine.step = lambda: (firsts.append(len(engine.left)) if not firsts else None, real_step())[1]
+    aengine = AsyncEngine(engine)
+    aengine.BURST_GAP_S, aengine.BURST_MAX_S = 0.2, 2.0  # wide: a loaded machine's sleeps stay inside
+    aengine.start()
+
+    loop = asyncio.new_event_loop()  # never run: the deltas only need somewhere to go
+
+    def sender():
+        for i in range(6):
+            aengine._streams[f"r{i}"] = (loop, asyncio.Queue())  # as generate() registers its stream
+            aengine._send(("add", f"r{i}", [1], SamplingParams(max_tokens=1), None))
+            time.sleep(0.01)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    t.join()
+    deadline = time.monotonic() + 10
+    while not firsts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    aengine._streams.clear()
+    aengine.shutdown()
+    loop.close()
+    assert firsts == [6]
+
+
 def test_a_process_that_served_a_model_exits_cleanly(tiny_models):
     """The engine thread's MLX thread state (compiled traces, random key) is freed before the thread ends:
     left to the thread's C++ exit, it raced the interpreter's exit and aborted the process (exit 134,
