@@ -101,9 +101,11 @@ class PipelinedSteps:
                 return []
             rows = list(running)
         else:
-            launched = {id(s) for s in prev.seqs}
-            if any(id(s) not in launched for s in running):
-                return []
+            same = len(running) == len(prev.seqs) and all(a is b for a, b in zip(running, prev.seqs))
+            if not same:  # the usual step is the same rows again: no set to build
+                launched = {id(s) for s in prev.seqs}
+                if any(id(s) not in launched for s in running):
+                    return []
             rows = [s for s in running if s.num_output_tokens + 1 < s.max_tokens]
         pool = self.block_pool
         if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
@@ -116,6 +118,8 @@ class PipelinedSteps:
         """Queue a decode step for rows; their input ids are prev's lazy outputs."""
         if prev is None:
             tokens = mx.array([s.token_ids[-1] for s in rows], dtype=mx.uint32)
+        elif len(rows) == len(prev.seqs) and all(a is b for a, b in zip(rows, prev.seqs)):
+            tokens = prev.tokens  # the same rows in the same order: the usual step, no index to build
         else:
             index = {id(s): i for i, s in enumerate(prev.seqs)}
             idx = [index[id(s)] for s in rows]
