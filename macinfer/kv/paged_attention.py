@@ -312,8 +312,8 @@ def batch_mask(memo: dict, lens: list[int], bs: int, q_len: int, window, chunk, 
         S = memo["tables"].shape[1] * bs
         if q_len == 1 and window is None and chunk is None and prompt is None:
             # A plain decode row sees the keys before its context length: two numpy ops. This runs on
-            # the engine thread each step while the step before evaluates; each numpy op costs several
-            # times its idle cost then, so the general path below would cost ~5x as much.
+            # the engine thread while the step before evaluates, where every allocation is dear
+            # (docs/platform.md#cpu-host); the general path below allocates several times as much.
             memo[key_] = mx.array((_arange(S) < np.array(lens, dtype=np.int32)[:, None]).reshape(len(lens), 1, 1, S))
             return memo[key_]
         # Built with numpy when it can be (no prompt window): one array, not a dozen graph ops per step.

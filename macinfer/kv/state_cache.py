@@ -244,8 +244,8 @@ class StateStore:
         lengths = None if all(n == L for n in counts) else mx.array(counts, dtype=mx.int32)
         states = self._gather(slots)
         batch = _Batch([len(s.shapes) for s in self.specs], len(slots))
-        # Lists, not a dict per forward: a dict of 16+ entries is a malloc, and mallocs on the engine
-        # thread contend with MLX's threads freeing their arrays.
+        # Lists, not a dict per forward: a dict of 16+ rows is a large malloc, dear on the engine
+        # thread while a step evaluates (docs/platform.md#cpu-host).
         where = self._where
         self._before = (slots, [where.get(slot) for slot in slots])  # for rollback()
         for row, slot in enumerate(slots):
