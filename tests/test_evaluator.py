@@ -37,6 +37,39 @@ def test_jobs_run_in_order_on_the_worker():
         assert mx.array_equal(got, want).item()
 
 
+def test_waits_poll_only_after_a_short_step(monkeypatch):
+    """A wait polls (SPIN_S) only where the last *step* evaluated in under SHORT_STEP_S; small
+    follow-up jobs (snapshots, held rows) do not count."""
+    ev = StepEvaluator(threaded=True)
+    with ev.context():
+        x = mx.arange(8, dtype=mx.float32)
+        assert ev.launch([x + 1], step=True).spin_s == 0.0  # nothing timed yet: block
+        ev.drain()
+        monkeypatch.setattr(ev_mod, "SHORT_STEP_S", 60.0)  # a step evaluated: it was short
+        assert ev.launch([x + 2]).spin_s == ev_mod.SPIN_S > 0
+        ev.drain()
+        monkeypatch.setattr(ev_mod, "SHORT_STEP_S", 1e-12)  # the same step, now counted as long
+        assert ev.launch([x + 3]).spin_s == 0.0
+        ev.drain()
+        monkeypatch.setattr(ev_mod, "SHORT_STEP_S", 60.0)
+        ev._eval_s[0] = 120.0  # a long step ...
+        ev.launch([x + 4]).wait()  # ... then a small job that is not a step: it is not timed
+        assert ev.launch([x + 5]).spin_s == 0.0
+        ev.drain()
+
+
+def test_a_polling_wait_stops_polling_after_spin_s():
+    """A wait longer than its job's spin_s blocks for the rest: it burns at most spin_s of CPU."""
+    import time
+
+    job = ev_mod.Job([], spin_s=0.05)
+    threading.Timer(0.5, job.done.set).start()
+    c0, t0 = time.thread_time(), time.perf_counter()
+    job.wait()
+    assert time.perf_counter() - t0 >= 0.45
+    assert time.thread_time() - c0 < 0.05 + 0.1
+
+
 def test_an_error_in_a_job_is_raised_by_its_wait():
     """An array built outside the evaluator's stream cannot be evaluated by the worker (MLX keeps
     ordinary streams per thread): the step's own wait raises it, on the engine's thread."""

@@ -29,8 +29,10 @@ Invariants in threaded mode:
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
+import time
 import weakref
 
 import mlx.core as mx
@@ -61,16 +63,36 @@ def threads_pay_off() -> bool:
     return not mx.metal.is_available()
 
 
+# Waiting for a short step, Job.wait polls instead of blocking: the waiting core stays busy, so the
+# step's end is seen at once, not after a futex wake-up of an idle core (docs/platform.md#cpu-poll).
+# Only where the last job evaluated in under SHORT_STEP_S, and for SPIN_S at most: polling through
+# a long step takes a core from the step's own threads.
+SPIN_S = 0.005
+SHORT_STEP_S = 0.008
+
+
+def _poll(event: threading.Event, seconds: float) -> None:
+    """Return when event is set or after `seconds`; yields the CPU and the GIL between polls."""
+    end = time.perf_counter() + seconds
+    while not event.is_set() and time.perf_counter() < end:
+        os.sched_yield()  # drops the GIL: the worker needs it to set the event
+
+
 class Job:
     """One launched step's arrays; `wait()` returns once they are evaluated (or raises what eval raised)."""
 
-    __slots__ = ("arrays", "done", "error", "seen")
+    __slots__ = ("arrays", "done", "error", "seen", "spin_s", "timed")
 
-    def __init__(self, arrays: list):
+    def __init__(self, arrays: list, spin_s: float = 0.0, timed: bool = False):
         self.arrays, self.done, self.error, self.seen = arrays, threading.Event(), None, False
+        self.spin_s = spin_s  # how long wait() polls before it blocks
+        self.timed = timed  # a model step: its evaluation time decides whether the next waits poll
 
     def wait(self) -> None:
-        self.done.wait()
+        if not self.done.is_set():
+            if self.spin_s:
+                _poll(self.done, self.spin_s)
+            self.done.wait()
         self.seen = True
         if self.error is not None:
             raise self.error
@@ -89,6 +111,7 @@ class StepEvaluator:
         self._box: list[threading.Thread | None] = [None]  # the worker thread, if running
         self._last: Job | None = None  # the newest job launched
         self._launched: list[Job] = []  # jobs launched since the last drain (their errors: drain)
+        self._eval_s = [float("inf")]  # how long the last step took to evaluate (its worker writes it)
         if threaded:
             weakref.finalize(self, _retire, self.stream, self._queue, self._box)
 
@@ -96,16 +119,17 @@ class StepEvaluator:
         """The default stream for everything the engine builds (a no-op unless threaded)."""
         return mx.stream(self.stream) if self.threaded else contextlib.nullcontext()
 
-    def launch(self, arrays: list, inline: bool = False) -> Job | None:
+    def launch(self, arrays: list, inline: bool = False, step: bool = False) -> Job | None:
         """Evaluate arrays behind everything launched before; returns the job (None: mx.async_eval).
 
         inline: with mx.async_eval on this thread even if threaded (the caller drained first).
+        step: the arrays are a model step's (not a small follow-up job), so its time is recorded.
         """
         if not self.threaded or inline:
             assert self._last is None or not inline, "drain() before an inline launch"
             mx.async_eval(arrays)
             return None
-        job = Job(arrays)
+        job = Job(arrays, SPIN_S if self._eval_s[0] < SHORT_STEP_S else 0.0, timed=step)
         with self._lock:
             self._queue.put(job)
             self._last = job
@@ -113,7 +137,7 @@ class StepEvaluator:
             self._launched = [j for j in self._launched if not j.done.is_set() or (j.error and not j.seen)]
             self._launched.append(job)
             if self._box[0] is None:
-                self._box[0] = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                self._box[0] = threading.Thread(target=_work, args=(weakref.ref(self), self._queue, self._eval_s),
                                                 name="macinfer-eval", daemon=True)
                 self._box[0].start()
         return job
@@ -149,7 +173,7 @@ class StepEvaluator:
             return False
 
 
-def _work(owner: weakref.ref, jobs: queue.Queue) -> None:
+def _work(owner: weakref.ref, jobs: queue.Queue, eval_s: list) -> None:
     """The worker: evaluate jobs in order (holding only a weak reference to its evaluator)."""
     while True:
         try:
@@ -162,10 +186,13 @@ def _work(owner: weakref.ref, jobs: queue.Queue) -> None:
             continue
         if job is None:  # its evaluator was collected (_retire)
             return
+        t0 = time.perf_counter()
         try:
             mx.eval(job.arrays)
         except BaseException as e:  # raised to the engine by job.wait()
             job.error = e
+        if job.timed:
+            eval_s[0] = time.perf_counter() - t0
         job.arrays = None
         job.done.set()
         del job

@@ -250,7 +250,7 @@ class ModelRunner:
         sampled = self._sample_rows(seqs, logits, logprob_rows, tokens, skip=set(index))
         # The pools too: each forward's K/V writes must be queued before the next is built on them.
         self.evaluator.launch([sampled, [c.state for c in self.caches], self._take_with_forward(),
-                               logprob_rows.arrays(), [] if held is None else held.logits], inline=alone)
+                               logprob_rows.arrays(), [] if held is None else held.logits], inline=alone, step=True)
         return sampled, logprob_rows, held
 
     def _decode_logits(self, seqs: list, tokens: mx.array) -> mx.array:
