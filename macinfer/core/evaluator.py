@@ -191,7 +191,7 @@ def _work(owner: weakref.ref, jobs: queue.Queue, eval_s: list) -> None:
             mx.eval(job.arrays)
         except BaseException as e:  # raised to the engine by job.wait()
             job.error = e
-        if job.timed:
+        if job.timed:  # includes retaking the GIL after mx.eval: what the engine thread waits for
             eval_s[0] = time.perf_counter() - t0
         job.arrays = None
         job.done.set()

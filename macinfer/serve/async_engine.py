@@ -186,7 +186,7 @@ class AsyncEngine:
         a lone request pays BURST_GAP_S once.
         """
         deadline = time.perf_counter() + self.BURST_MAX_S
-        while time.perf_counter() < deadline and self._wake.wait(self.BURST_GAP_S):
+        while not self._stopping and time.perf_counter() < deadline and self._wake.wait(self.BURST_GAP_S):
             self._wake.clear()
             self._drain_inbox()
 
