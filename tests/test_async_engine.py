@@ -4,6 +4,8 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -77,9 +79,6 @@ def test_one_engine_is_stepped_by_one_async_engine_at_a_time():
 def test_a_burst_of_requests_to_an_idle_engine_is_stepped_together():
     """Requests sent a few ms apart to an idle engine all make its first step (AsyncEngine._settle);
     without the wait, the engine thread steps as soon as the first one is in."""
-    import threading
-    import time
-
     engine = Ticker(1, wait_for=1)
     firsts = []
     real_step = engine.step

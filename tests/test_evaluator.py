@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,8 +61,6 @@ def test_waits_poll_only_after_a_short_step(monkeypatch):
 
 def test_a_polling_wait_stops_polling_after_spin_s():
     """A wait longer than its job's spin_s blocks for the rest: it burns at most spin_s of CPU."""
-    import time
-
     job = ev_mod.Job([], spin_s=0.05)
     threading.Timer(0.5, job.done.set).start()
     c0, t0 = time.thread_time(), time.perf_counter()

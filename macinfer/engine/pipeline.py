@@ -101,8 +101,7 @@ class PipelinedSteps:
                 return []
             rows = list(running)
         else:
-            same = len(running) == len(prev.seqs) and all(a is b for a, b in zip(running, prev.seqs))
-            if not same:  # the usual step is the same rows again: no set to build
+            if not _same_rows(running, prev.seqs):  # the usual step is the same rows again: no set to build
                 launched = {id(s) for s in prev.seqs}
                 if any(id(s) not in launched for s in running):
                     return []
@@ -118,12 +117,11 @@ class PipelinedSteps:
         """Queue a decode step for rows; their input ids are prev's lazy outputs."""
         if prev is None:
             tokens = mx.array([s.token_ids[-1] for s in rows], dtype=mx.uint32)
-        elif len(rows) == len(prev.seqs) and all(a is b for a, b in zip(rows, prev.seqs)):
-            tokens = prev.tokens  # the same rows in the same order: the usual step, no index to build
+        elif _same_rows(rows, prev.seqs):
+            tokens = prev.tokens  # the usual step: no index to build
         else:
             index = {id(s): i for i, s in enumerate(prev.seqs)}
-            idx = [index[id(s)] for s in rows]
-            tokens = prev.tokens if idx == list(range(len(prev.seqs))) else prev.tokens[mx.array(idx)]
+            tokens = prev.tokens[mx.array([index[id(s)] for s in rows])]
         now = time.perf_counter()
         for s in rows:
             ok = self.block_pool.allocate_slots(s, 1)
@@ -171,3 +169,8 @@ class PipelinedSteps:
             elif self.spec is not None:
                 self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's update would)
         return deltas
+
+
+def _same_rows(rows: list[Sequence], launched: list[Sequence]) -> bool:
+    """The same sequences in the same order (the usual decode step after the one before)."""
+    return len(rows) == len(launched) and all(a is b for a, b in zip(rows, launched))
