@@ -212,6 +212,7 @@ def _fall_back(refusal: MacinferError, model_type: str, model, tokenizer, info, 
     reason = reason if reason.startswith(f"{model_type}: ") else f"{model_type}: {reason}"
     dense = DenseEngine(model, tokenizer, info, **options)
     dense.fallback_reason = reason
-    print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}: "
+    turns = "; requests take turns (mlx-lm's batch masks do not fit its attention)" if dense.serial else ""
+    print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}{turns}: "
           f"the paged engine refuses the model ({reason})", file=sys.stderr)
     return dense

@@ -105,10 +105,11 @@ def raw_batchgenerator(model, prompts: list[list[int]], max_tokens: int) -> list
     """The same staggered schedule on mlx-lm's BatchGenerator alone, set up as DenseEngine sets it up."""
     from mlx_lm.generate import BatchGenerator
 
-    from macinfer.engine.dense_engine import batchable
+    from macinfer.engine.dense_engine import attention_unseen, batchable
 
-    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=4, prefill_step_size=CHUNK,
-                         prefill_batch_size=4 if batchable(model) else 1)
+    rows = 1 if attention_unseen(model) else 4
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=rows, prefill_step_size=CHUNK,
+                         prefill_batch_size=rows if batchable(model) else 1)
     uids, outs, step = [], {}, 0
     while len(uids) < len(prompts) or any(len(outs[u]) < max_tokens for u in uids):
         if len(uids) < len(prompts) and step == 2 * len(uids):

@@ -152,6 +152,32 @@ def test_census_verdicts():
         lines[1].endswith("mlx-lm's BatchGenerator alone differs too)")
 
 
+def test_a_model_whose_attention_is_its_own_code_takes_turns_on_the_fallback(tmp_path):
+    """phi3small's block-sparse layers compute attention in their own code and line mlx-lm's batch
+    mask up with their kv heads (an error with 3 rows, silently mixed rows with 2): the fallback
+    serves its requests one at a time, each as mlx-lm's BatchGenerator runs that request alone."""
+    from mlx_lm.generate import BatchGenerator
+
+    from macinfer.core.sampling import SamplingParams
+    from macinfer.llm import LLM
+
+    path = build_from_config(tmp_path / "phi3small", CONFIGS["phi3small"])
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.engine_kind == "mlx-lm" and llm.engine.serial
+    assert "one request at a time" in llm.engine.describe()
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = staggered(llm.engine, ids, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(ids))
+    for out, prompt in zip(outs, ids):
+        gen = BatchGenerator(llm.model, max_tokens=6, completion_batch_size=1, prefill_batch_size=1,
+                             prefill_step_size=8)
+        (uid,) = gen.insert([prompt])
+        alone = []
+        while len(alone) < 6:
+            alone += [int(r.token) for r in gen.next()[1] if r.uid == uid]
+        gen.close()
+        assert out.token_ids == alone
+
+
 def test_serve_runs_the_fallback_engine(unsupported):
     """The OpenAI server over DenseEngine: concurrent completions, each its solo greedy output."""
     import asyncio

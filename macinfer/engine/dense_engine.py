@@ -49,6 +49,7 @@ from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
+from macinfer.kv.model_probe import UnseenAttention, inspect_model
 
 # Options that only mean something to the paged engine, and the feature each belongs to.
 PAGED_ONLY = {"kv_memory": "paging", "num_blocks": "paging", "block_size": "paging",
@@ -71,6 +72,23 @@ class DenseConfig:
     max_num_batched_tokens: int
     max_model_len: int | None
     verbose: bool
+
+
+def attention_unseen(model, model_type: str = "?") -> bool:
+    """Whether some layer computes attention in its own code (inspect_model: UnseenAttention).
+
+    mlx-lm builds its batch masks for its own sdpa; such a layer may broadcast them wrongly:
+    phi3small's block-sparse layers reshape their queries to (B, kv heads, q per kv, L, D), so a
+    (B, 1, 1, S) mask lines its rows up with the kv heads (an error, or, with as many rows as kv
+    heads, silently wrong rows). Requests to such a model take turns.
+    """
+    try:
+        inspect_model(model, model_type)
+    except UnseenAttention:
+        return True
+    except MacinferError:  # refused for another reason: its attention is mlx-lm's own
+        return False
+    return False
 
 
 def batchable(model, model_type: str = "?") -> bool:
@@ -178,11 +196,13 @@ class DenseEngine:
         # state (BatchGenerator alone then differs from generate_step: rwkv7, mamba, ... in
         # scripts/arch_census.py), so such models prefill one prompt at a time.
         plain_kv = batchable(model, self.model_type)
+        self.serial = attention_unseen(model, self.model_type)
+        rows = 1 if self.serial else full.max_num_seqs
         self.config = DenseConfig(full.max_num_seqs, full.max_num_batched_tokens, full.max_model_len, full.verbose)
         self.max_model_len = full.max_model_len or (info.context_length if info is not None else
                                                     getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
-        self.gen = BatchGenerator(model, max_tokens=256, completion_batch_size=full.max_num_seqs,
-                                  prefill_batch_size=min(8, full.max_num_seqs) if plain_kv else 1,
+        self.gen = BatchGenerator(model, max_tokens=256, completion_batch_size=rows,
+                                  prefill_batch_size=min(8, rows) if plain_kv else 1,
                                   prefill_step_size=full.max_num_batched_tokens)
         self.scheduler = _DenseRequests(self.gen)
         self.block_pool = _NoBlocks()
@@ -193,8 +213,10 @@ class DenseEngine:
             print(self.describe(), file=sys.stderr)
 
     def describe(self) -> str:
+        rows = "one request at a time (its attention is its own code)" if self.serial else \
+            f"max {self.config.max_num_seqs} sequences"
         return (f"KV cache: dense, per request (mlx-lm BatchGenerator; off: {', '.join(OFF_FEATURES)}); "
-                f"max {self.config.max_num_seqs} sequences, prefill chunks of {self.config.max_num_batched_tokens} "
+                f"{rows}, prefill chunks of {self.config.max_num_batched_tokens} "
                 f"tokens; attention: {self.attention_backend}")
 
     def kv_stats(self) -> dict:

@@ -46,6 +46,10 @@ def install_attention_patch(model: nn.Module) -> int:
     return patched
 
 
+class UnseenAttention(MacinferError):
+    """Some layer computes its attention in its own code, where no cache hook sees it."""
+
+
 def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
     """Probe the model once (lazily: nothing is computed) and describe its layers.
 
@@ -78,7 +82,7 @@ def inspect_model(model: nn.Module, model_type: str = "?") -> list[LayerSpec]:
         _refuse_growing_states(model, model_caches, states, model_type)
     by_cache = {id(c): (kshape, vshape, dtype) for c, kshape, vshape, dtype in calls}
     if len(calls) != len(caches) or any(id(c) not in by_cache for c in caches):
-        raise MacinferError(
+        raise UnseenAttention(
             f"{model_type}: its attention does not go through mlx-lm's scaled_dot_product_attention once "
             f"per layer ({len(calls)} calls for {len(caches)} layers), so it cannot be paged safely"
         )
