@@ -154,7 +154,7 @@ def test_census_verdicts():
 
 def test_a_model_whose_attention_is_its_own_code_takes_turns_on_the_fallback(tmp_path):
     """phi3small's block-sparse layers compute attention in their own code and line mlx-lm's batch
-    mask up with their kv heads (an error with 3 rows, silently mixed rows with 2): the fallback
+    mask up with their kv heads (an error with 3 rows; with 2, each row's mask lands on a kv head of both): the fallback
     serves its requests one at a time, each as mlx-lm's BatchGenerator runs that request alone."""
     from mlx_lm.generate import BatchGenerator
 

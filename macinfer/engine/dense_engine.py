@@ -80,7 +80,7 @@ def attention_unseen(model, model_type: str = "?") -> bool:
     mlx-lm builds its batch masks for its own sdpa; such a layer may broadcast them wrongly:
     phi3small's block-sparse layers reshape their queries to (B, kv heads, q per kv, L, D), so a
     (B, 1, 1, S) mask lines its rows up with the kv heads (an error, or, with as many rows as kv
-    heads, silently wrong rows). Requests to such a model take turns.
+    heads, each row's mask applied to a kv head of every row). Requests to such a model take turns.
     """
     try:
         inspect_model(model, model_type)
