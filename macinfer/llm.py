@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
+from macinfer.kv.model_probe import UnseenAttention
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.core.sampling import SamplingParams
 
@@ -210,7 +211,7 @@ def _fall_back(refusal: MacinferError, model_type: str, model, tokenizer, info, 
 
     reason = str(refusal).splitlines()[0] if str(refusal) else type(refusal).__name__
     reason = reason if reason.startswith(f"{model_type}: ") else f"{model_type}: {reason}"
-    dense = DenseEngine(model, tokenizer, info, **options)
+    dense = DenseEngine(model, tokenizer, info, serial=isinstance(refusal, UnseenAttention), **options)
     dense.fallback_reason = reason
     turns = "; requests take turns (mlx-lm's batch masks do not fit its attention)" if dense.serial else ""
     print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}{turns}: "

@@ -101,13 +101,13 @@ def staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[in
     return [outs[r] for r in rids]
 
 
-def raw_batchgenerator(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def raw_batchgenerator(model, prompts: list[list[int]], max_tokens: int, serial: bool) -> list[list[int]]:
     """The same staggered schedule on mlx-lm's BatchGenerator alone, set up as DenseEngine sets it up."""
     from mlx_lm.generate import BatchGenerator
 
-    from macinfer.engine.dense_engine import attention_unseen, batchable
+    from macinfer.engine.dense_engine import batchable
 
-    rows = 1 if attention_unseen(model) else 4
+    rows = 1 if serial else 4
     gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=rows, prefill_step_size=CHUNK,
                          prefill_batch_size=rows if batchable(model) else 1)
     uids, outs, step = [], {}, 0
@@ -173,7 +173,7 @@ def child(name: str, engine: str = "auto") -> dict:
             i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
             pos = next((j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b), min(len(got[i]), len(want[i])))
             where = f"request {i}, token {pos}"
-            if kind == "mlx-lm" and raw_batchgenerator(llm.model, prompts, MAX_TOKENS) != want:
+            if kind == "mlx-lm" and raw_batchgenerator(llm.model, prompts, MAX_TOKENS, llm.engine.serial) != want:
                 where += "; mlx-lm's BatchGenerator alone differs too"
             return {"verdict": f"mismatch ({'paged' if kind == 'paged' else 'fallback'}: {where})",
                     "stderr": err.getvalue()}

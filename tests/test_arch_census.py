@@ -164,6 +164,7 @@ def test_a_model_whose_attention_is_its_own_code_takes_turns_on_the_fallback(tmp
     path = build_from_config(tmp_path / "phi3small", CONFIGS["phi3small"])
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=8)
     assert llm.engine_kind == "mlx-lm" and llm.engine.serial
+    assert llm.engine.config.max_num_seqs == 1  # what the server's queue limit counts as running
     assert "one request at a time" in llm.engine.describe()
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = staggered(llm.engine, ids, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(ids))

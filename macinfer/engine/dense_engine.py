@@ -49,7 +49,6 @@ from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
-from macinfer.kv.model_probe import UnseenAttention, inspect_model
 
 # Options that only mean something to the paged engine, and the feature each belongs to.
 PAGED_ONLY = {"kv_memory": "paging", "num_blocks": "paging", "block_size": "paging",
@@ -72,23 +71,6 @@ class DenseConfig:
     max_num_batched_tokens: int
     max_model_len: int | None
     verbose: bool
-
-
-def attention_unseen(model, model_type: str = "?") -> bool:
-    """Whether some layer computes attention in its own code (inspect_model: UnseenAttention).
-
-    mlx-lm builds its batch masks for its own sdpa; such a layer may broadcast them wrongly:
-    phi3small's block-sparse layers reshape their queries to (B, kv heads, q per kv, L, D), so a
-    (B, 1, 1, S) mask lines its rows up with the kv heads (an error, or, with as many rows as kv
-    heads, each row's mask applied to a kv head of every row). Requests to such a model take turns.
-    """
-    try:
-        inspect_model(model, model_type)
-    except UnseenAttention:
-        return True
-    except Exception:  # noqa: BLE001 - refused (or not even probed) for another reason: the fallback must still run it
-        return False
-    return False
 
 
 def batchable(model, model_type: str = "?") -> bool:
@@ -164,6 +146,8 @@ class DenseEngine:
         model: an mlx-lm model.
         tokenizer: mlx-lm's TokenizerWrapper.
         info: macinfer.modelio.loader.ModelInfo, or None.
+        serial: serve one request at a time (macinfer.llm sets it for a model whose attention
+            the paged engine could not see: macinfer.kv.model_probe.UnseenAttention).
         **options: EngineConfig fields; only max_num_seqs, max_num_batched_tokens (the
             prefill chunk), max_model_len and verbose are used (module docstring).
 
@@ -185,7 +169,7 @@ class DenseEngine:
     _finish = LLMEngine._finish
     _new_sequence = LLMEngine._new_sequence
 
-    def __init__(self, model, tokenizer, info=None, **options):
+    def __init__(self, model, tokenizer, info=None, serial: bool = False, **options):
         from mlx_lm.generate import BatchGenerator
 
         full = EngineConfig(**options)  # same validation (and TypeError on unknown options) as LLMEngine
@@ -196,9 +180,13 @@ class DenseEngine:
         # state (BatchGenerator alone then differs from generate_step: rwkv7, mamba, ... in
         # scripts/arch_census.py), so such models prefill one prompt at a time.
         plain_kv = batchable(model, self.model_type)
-        self.serial = attention_unseen(model, self.model_type)
-        rows = 1 if self.serial else full.max_num_seqs
-        self.config = DenseConfig(full.max_num_seqs, full.max_num_batched_tokens, full.max_model_len, full.verbose)
+        # serial: one request at a time, for a model whose attention is its own code (the paged
+        # engine's UnseenAttention refusal): mlx-lm builds its batch masks for its own sdpa, and such a
+        # layer may broadcast them wrongly (phi3small's block-sparse layers line the mask's rows up
+        # with their kv heads: an error, or with as many rows as kv heads, masks on the wrong rows).
+        self.serial = serial
+        rows = 1 if serial else full.max_num_seqs
+        self.config = DenseConfig(rows, full.max_num_batched_tokens, full.max_model_len, full.verbose)
         self.max_model_len = full.max_model_len or (info.context_length if info is not None else
                                                     getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
         self.gen = BatchGenerator(model, max_tokens=256, completion_batch_size=rows,
