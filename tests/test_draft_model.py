@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from macinfer.core.lm_head import SubsetHead
-from macinfer.spec.draft_model import SHIPPED_DRAFTS, load_draft
+from macinfer.spec_decode.draft_model import SHIPPED_DRAFTS, load_draft
 from macinfer.errors import MacinferError
 
 # A held-out prompt kind (scripts/train/train_draft.py never trains on held-out topics).
@@ -82,11 +82,11 @@ def test_shipped_draft_is_accepted(target):
 
 
 def test_shipped_feature_draft_is_accepted(target):
-    """The default SmolLM2 draft reads the target's hidden states (macinfer.spec.feature_draft)."""
+    """The default SmolLM2 draft reads the target's hidden states (macinfer.spec_decode.feature_draft)."""
     import mlx.core as mx
 
     from macinfer.engine.llm_engine import LLMEngine
-    from macinfer.spec.feature_draft import FeatureDraft
+    from macinfer.spec_decode.feature_draft import FeatureDraft
     from macinfer.core.sampling import SamplingParams
 
     model, tokenizer = target
@@ -114,9 +114,9 @@ def test_auto_is_the_shipped_draft_with_lookup(target):
     """draft="auto" for the embedded model: its feature draft, plus n-gram lookup where text repeats."""
     from types import SimpleNamespace
 
-    from macinfer.spec.drafter import LookupDrafter
+    from macinfer.spec_decode.drafter import LookupDrafter
     from macinfer.engine.llm_engine import LLMEngine
-    from macinfer.spec.feature_draft import FeatureDrafter
+    from macinfer.spec_decode.feature_draft import FeatureDrafter
 
     model, tokenizer = target
     info = SimpleNamespace(name="smollm2-135m", context_length=8192)

@@ -1,4 +1,4 @@
-"""Feature drafts (EAGLE-style, macinfer.spec.feature_draft) on a tiny random target.
+"""Feature drafts (EAGLE-style, macinfer.spec_decode.feature_draft) on a tiny random target.
 
 The engine feeds the draft the target's hidden states step by step through its own paged KV
 cache, rolling back rows fed with guessed features. The checks: every round-0 draft state the
@@ -19,11 +19,11 @@ import pytest
 from oracle import mlx_lm_greedy
 from test_spec_decode import TEXTS, run
 
-from macinfer.spec.draft_model import load_draft, save_draft
+from macinfer.spec_decode.draft_model import load_draft, save_draft
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
 from macinfer.core.lm_head import split_head
-from macinfer.spec.feature_draft import FeatureDraft, FeatureDrafter, feature_draft_config, load_feature_draft
+from macinfer.spec_decode.feature_draft import FeatureDraft, FeatureDrafter, feature_draft_config, load_feature_draft
 from macinfer.core.sampling import SamplingParams
 
 MAX_TOKENS = 20
@@ -199,7 +199,7 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     from mlx.utils import tree_map
     from mlx_lm.generate import generate_step
 
-    from macinfer.spec.drafter import LookupDrafter
+    from macinfer.spec_decode.drafter import LookupDrafter
 
     model, tok = mlx_lm.load(str(tiny_models("llama")))
     model.update(tree_map(lambda w: w * 0.3 if w.ndim > 1 else w, model.parameters()))  # repeats itself

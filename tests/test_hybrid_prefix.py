@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from macinfer.core.prefix_cache import hash_blocks
+from macinfer.prefix_cache.keys import hash_blocks
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.state_snapshots import StateSnapshots
 from macinfer.engine.llm_engine import LLMEngine

@@ -3,14 +3,15 @@
 Layers, bottom to top (docs/ARCHITECTURE.md draws them):
 
     base     macinfer._blas, errors, units, paths, timing, staging
+    prefix_cache   block hashes and model identity, the disk tier and its directories
     modelio  loading, GGUF import, quantisation, evaluation
     kv       the paged KV cache as models see it (cache adapter, attention, quantised K/V, RoPE)
     core     sequences, sampling, block pool, prefix cache, scheduler, model runner
-    spec     speculative decoding (decoder, drafters, the speculator factory)
+    spec_decode    speculative decoding (decoder, drafters, the speculator factory)
     engine   the step loop (LLMEngine)
     llm      the Python API (macinfer.LLM; the package's own __init__)
     serve / perf   the OpenAI server; bandwidth, benchmarks, the KV calculator
-    tui      the Textual app
+    tui      the Textual app (macinfer.tui, its sources in the top-level tui/ folder)
     cli      the `macinfer` command
 
 A module may import its own layer or any below it. Imports inside functions count
@@ -23,7 +24,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["base", "modelio", "kv", "core", "spec", "engine", "llm", "serve", "tui", "cli"]
+LAYERS = ["base", "prefix_cache", "modelio", "kv", "core", "spec_decode", "engine", "llm", "serve", "tui", "cli"]
 BASE = {"macinfer._blas", "macinfer.errors", "macinfer.units", "macinfer.paths", "macinfer.timing", "macinfer.staging"}
 
 
@@ -32,7 +33,7 @@ def layer(module: str) -> str:
         return "base"
     if module in ("macinfer", "macinfer.llm"):
         return "llm"
-    if module == "tui" or module.startswith("tui."):
+    if module == "macinfer.tui" or module.startswith("macinfer.tui."):
         return "tui"
     sub = module.split(".")[1]
     return {"perf": "serve", "__main__": "cli"}.get(sub, sub)
@@ -40,9 +41,9 @@ def layer(module: str) -> str:
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg in ("macinfer", "tui"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for pkg, folder in (("macinfer", "macinfer"), ("macinfer.tui", "tui")):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = (pkg,) + path.relative_to(ROOT / folder).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 

@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
 from macinfer.cli.main import main
-from macinfer.modelio import model_files, prefix_dirs
+from macinfer.modelio import model_files
+from macinfer.prefix_cache import dirs as prefix_dirs
 
 REPO = "mlx-community/Tiny-Llama-4bit"
 

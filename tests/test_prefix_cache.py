@@ -12,7 +12,7 @@ import pytest
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.core.prefix_cache import hash_block_tokens, hash_blocks
+from macinfer.prefix_cache.keys import hash_block_tokens, hash_blocks
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sequence import Sequence
 from test_engine import assert_all_free, oracle, run
@@ -339,7 +339,7 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
     head-major: files saved by older versions load into the right slots, unchanged."""
     from types import SimpleNamespace
 
-    from macinfer.core.kv_store import FORMAT, DiskPrefixStore
+    from macinfer.prefix_cache.disk import FORMAT, DiskPrefixStore
 
     bs, H, D, nb = 4, 2, 8, 6
     rng = random.Random(0)
@@ -369,7 +369,7 @@ def test_stale_temp_files_are_removed_when_a_store_opens(tmp_path):
     an hour old, is removed when a store opens; a fresh one (a live writer's) and block files stay."""
     import os
 
-    from macinfer.core.kv_store import DiskPrefixStore
+    from macinfer.prefix_cache.disk import DiskPrefixStore
 
     (tmp_path / "other").mkdir()
     names = {"m/.aa.1.tmp": 7200, "other/.bb.2.tmp": 7200, "m/.cc.3.tmp": 0, "other/dd.safetensors": 7200}

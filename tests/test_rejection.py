@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macinfer.spec.drafter import NgramDrafter
-from macinfer.spec.rejection import greedy_verify, rejection_sample
+from macinfer.spec_decode.drafter import NgramDrafter
+from macinfer.spec_decode.rejection import greedy_verify, rejection_sample
 
 V, K, N, START = 4, 3, 60_000, 0
 
@@ -182,7 +182,7 @@ def test_ngram_offers_as_far_as_the_copy_has_held():
 
 def test_acceptance_is_tracked_per_kind_of_draft():
     """A request's long n-gram matches keep their high rate while its short ones fail."""
-    from macinfer.spec.decoder import SpecDecoder
+    from macinfer.spec_decode.decoder import SpecDecoder
 
     spec = SpecDecoder(NgramDrafter(), block_pool=None)
     assert spec.alpha("r", "ngram:3") == NgramDrafter.BUCKETS[3][1]  # the prior before anything is seen

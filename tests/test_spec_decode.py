@@ -20,7 +20,7 @@ import pytest
 from driver import run as drive
 from oracle import mlx_lm_greedy
 
-from macinfer.spec.drafter import DraftModelDrafter, NgramDrafter
+from macinfer.spec_decode.drafter import DraftModelDrafter, NgramDrafter
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.core.sampling import Sampler, SamplingParams
 from macinfer.core.sequence import Sequence, SequenceStatus
@@ -71,7 +71,7 @@ def subset_draft(m, out, keep, noise: float = 0.0):
     """An embedding-less draft of the target (optionally perturbed) whose head covers only `keep`."""
     from mlx.utils import tree_map
 
-    from macinfer.spec.draft_model import save_draft
+    from macinfer.spec_decode.draft_model import save_draft
 
     draft, _ = mlx_lm.load(str(m["target"]))
     if noise:
@@ -207,8 +207,8 @@ def test_ngram_greedy_on_repetitive_model(tiny_models):
 
 def test_adaptive_k_follows_acceptance_and_costs():
     """K maximises expected tokens per second: more drafts when they are cheap and right."""
-    from macinfer.spec.decoder import SpecDecoder
-    from macinfer.spec.step_cost import StepCost
+    from macinfer.spec_decode.decoder import SpecDecoder
+    from macinfer.spec_decode.step_cost import StepCost
 
     spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=5)
     assert spec.choose_k([0.9], [5]) == 0  # nothing measured yet: one plain step first
@@ -252,8 +252,8 @@ def test_adaptive_k_charges_declined_asks_their_draft_round_only():
     widens the forward (1.2 tokens for 73.5 ms against 1 for 60), and does if 40% of asks are
     declined (widening 60% of the time: 1.2 for 69.9).
     """
-    from macinfer.spec.decoder import SpecDecoder
-    from macinfer.spec.step_cost import StepCost
+    from macinfer.spec_decode.decoder import SpecDecoder
+    from macinfer.spec_decode.step_cost import StepCost
 
     spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=1)
     spec.drafter.has_model, spec.drafter.round_s = True, 0.0045
@@ -273,8 +273,8 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
     the drafter has nothing to offer any more (the pending token broke an n-gram match)."""
     from types import SimpleNamespace
 
-    from macinfer.spec.decoder import SpecDecoder
-    from macinfer.spec.step_cost import StepCost
+    from macinfer.spec_decode.decoder import SpecDecoder
+    from macinfer.spec_decode.step_cost import StepCost
 
     class Scripted(NgramDrafter):
         offer = 2
@@ -313,11 +313,11 @@ def chi2_pvalue(observed, expected):
 
 
 def feature_draft(m, out, keep):
-    """A random feature draft (macinfer.spec.feature_draft) for the tiny target, its head over `keep`."""
+    """A random feature draft (macinfer.spec_decode.feature_draft) for the tiny target, its head over `keep`."""
     from mlx_lm.models import llama
 
-    from macinfer.spec.draft_model import save_draft
-    from macinfer.spec.feature_draft import FeatureDraft, feature_draft_config
+    from macinfer.spec_decode.draft_model import save_draft
+    from macinfer.spec_decode.feature_draft import FeatureDraft, feature_draft_config
 
     V = m["model"].args.vocab_size
     cfg = feature_draft_config(json.loads((m["target"] / "config.json").read_text()), len(keep))

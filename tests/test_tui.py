@@ -1,6 +1,6 @@
 """`macinfer chat`: headless pilot tests on a tiny model, and snapshots of the main and help screens.
 
-The app runs its real engine process (tui.engine_process, tui.runner) on a tiny random
+The app runs its real engine process (macinfer.tui.engine_process, macinfer.tui.runner) on a tiny random
 model, so these test the whole path: prompt -> chat template -> LLMEngine -> Messages ->
 pipe -> widgets. Backends are injected as picklable factories (functools.partial of a
 class defined here), since the engine process builds them; tests look at the engine
@@ -22,12 +22,12 @@ from operator import attrgetter, methodcaller
 import pytest
 from click.testing import CliRunner
 
-from tui.app import ChatApp
-from tui.backend import ChatBackend
-from tui.screens.help import HelpScreen
-from tui.stub import StubBackend
-from tui.widgets import MetricsPanel
-from tui.widgets.transcript import Reply
+from macinfer.tui.app import ChatApp
+from macinfer.tui.backend import ChatBackend
+from macinfer.tui.screens.help import HelpScreen
+from macinfer.tui.stub import StubBackend
+from macinfer.tui.widgets import MetricsPanel
+from macinfer.tui.widgets.transcript import Reply
 
 SIZE = (80, 24)
 
@@ -209,7 +209,7 @@ async def test_slash_commands(tiny, tmp_path):
 
 @pytest.mark.anyio
 async def test_prompt_keys_and_load_progress(tiny, monkeypatch):
-    from tui.widgets.loading import LoadingBar
+    from macinfer.tui.widgets.loading import LoadingBar
 
     shown = []
     real_show = LoadingBar.show
@@ -238,7 +238,7 @@ def test_chat_help_lists_an_example():
 
 # -- a fast engine: the stub ----------------------------------------------------------
 def stub_app(rate: float, length: int | None = None, **kwargs) -> ChatApp:
-    """A ChatApp on tui.stub.StubBackend (no model): its deltas take the real runner and Messages."""
+    """A ChatApp on macinfer.tui.stub.StubBackend (no model): its deltas take the real runner and Messages."""
     return ChatApp(make_backend=partial(StubBackend, rate=rate, length=length), **kwargs)
 
 
@@ -251,7 +251,7 @@ async def emitted(app) -> list[list[str]]:
 async def test_fast_stream_shows_every_delta_in_few_markdown_updates():
     """At thousands of tok/s the reply batches text into far fewer Markdown updates than deltas,
     and the finished reply (widget text, Markdown document, history) is exactly the deltas joined."""
-    from tui.stub import SAMPLE
+    from macinfer.tui.stub import SAMPLE
 
     n = 1500
     app = stub_app(rate=3000, max_tokens=n)
@@ -315,7 +315,7 @@ async def test_clear_during_a_fast_stream():
 
 
 def test_complete_blocks_split_after_the_last_blank_line_outside_a_fence():
-    from tui.widgets.transcript import complete_blocks
+    from macinfer.tui.widgets.transcript import complete_blocks
 
     assert complete_blocks("# Hi\n\nSome te") == ("# Hi\n\n", "Some te")
     assert complete_blocks("no blank line yet") == ("", "no blank line yet")
@@ -341,8 +341,8 @@ async def test_reply_shows_every_delta_at_once_and_lays_out_a_few_times(monkeypa
     from textual.app import App
     from textual.widgets import Markdown
 
-    from tui.stub import SAMPLE_TOKENS
-    from tui.widgets import Transcript
+    from macinfer.tui.stub import SAMPLE_TOKENS
+    from macinfer.tui.widgets import Transcript
 
     monkeypatch.setattr(Reply, "_run", lambda self: asyncio.Event().wait())  # the test's clock paces it
 
@@ -410,9 +410,9 @@ def _gone(pid: int) -> bool:
 UI_THAT_DIES = """
 import queue, sys
 from functools import partial
-from tui.engine_process import EngineProcess
-from tui.runner import Load
-from tui.stub import StubBackend
+from macinfer.tui.engine_process import EngineProcess
+from macinfer.tui.runner import Load
+from macinfer.tui.stub import StubBackend
 
 if __name__ == "__main__":
     got = queue.Queue()
@@ -475,7 +475,7 @@ async def test_engine_crash_is_one_line_and_model_restarts_it():
 
 
 def test_stub_tokens_join_back_to_the_text():
-    from tui.stub import SAMPLE, SAMPLE_TOKENS, tokens_of
+    from macinfer.tui.stub import SAMPLE, SAMPLE_TOKENS, tokens_of
 
     assert "".join(SAMPLE_TOKENS) == SAMPLE and len(SAMPLE_TOKENS) > 100
     assert tokens_of("a  bcdefgh\n\n") == ["a", "  bcdef", "gh", "\n\n"]
@@ -520,7 +520,7 @@ def _stats_runner(**backend):
     """An EngineRunner over a fake backend: 1 GB read per decode step, no KV bytes, 100 GB/s peak."""
     from types import SimpleNamespace
 
-    import tui.runner as runner_mod
+    import macinfer.tui.runner as runner_mod
     from macinfer.perf.bandwidth import PeakBandwidth
 
     b = SimpleNamespace(**{"peak": PeakBandwidth(100.0, "flag"), "prefix_cache": False,
@@ -536,7 +536,7 @@ def test_live_figures_count_steps_not_tokens(monkeypatch):
     """While a reply streams, one engine step can bring several deltas (a verify step's accepted
     drafts, each with its text). They share the step's clock: the step's sparkline rate counts all
     its tokens, and bandwidth counts the step once (one forward reads the weights once)."""
-    import tui.runner as runner_mod
+    import macinfer.tui.runner as runner_mod
     from macinfer.core.outputs import StreamDelta
 
     steps = iter([(10.0, [[5]]), (11.0, [[6], [7], [8]]), (12.0, [[9]]), (14.0, [[10], [11]])])
@@ -563,9 +563,9 @@ def test_a_fast_stream_reaches_the_ui_in_few_pipe_writes(monkeypatch):
     """600 one-token steps at 300 tok/s: the text and the live figures go up the pipe together, at
     most every TEXT_INTERVAL (each write wakes the UI's reader, a context switch the engine pays
     for); every piece of text arrives once and in order, and the finish comes last."""
-    import tui.runner as runner_mod
+    import macinfer.tui.runner as runner_mod
     from macinfer.core.outputs import StreamDelta
-    from tui.messages import ReplyFinished, ReplyText, StatsUpdate
+    from macinfer.tui.messages import ReplyFinished, ReplyText, StatsUpdate
 
     clock = [10.0]
     n = 600
@@ -594,7 +594,7 @@ def test_a_fast_stream_reaches_the_ui_in_few_pipe_writes(monkeypatch):
 
 def test_live_figures_at_a_clock_reading_of_zero():
     """A first token stamped at exactly 0.0 (a clock that starts there) is still a first token."""
-    import tui.runner as runner_mod
+    import macinfer.tui.runner as runner_mod
 
     runner = _stats_runner(speculation=False)
     live = runner_mod._Live("r", prompt_tokens=4, arrival=-0.5, first_token=0.0, last_token=2.0, tokens=3, steps=2)
@@ -610,7 +610,7 @@ async def test_live_prefill_counts_computed_tokens_and_says_when_the_prompt_was_
                                                                                        prompt_cached):
     """The prefill figure counts only the prompt tokens the engine computed; when the prefix cache
     held the whole prompt there is no rate to show, and the panel says so."""
-    import tui.runner as runner_mod
+    import macinfer.tui.runner as runner_mod
     from macinfer.core.metrics import RequestMetrics
     from macinfer.core.outputs import StreamDelta
 
@@ -672,7 +672,7 @@ async def test_chat_resume_restores_a_saved_conversation(tiny, tmp_path, monkeyp
     next prompt, the file's settings apply, and an option given on the line wins.
     """
     from macinfer.cli.chat import chat_cmd
-    from tui.session import ChatSession
+    from macinfer.tui.session import ChatSession
 
     turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! **How** can I help?"}]
     saved = ChatSession(system="Be brief.", max_tokens=6, turns=turns).save(tmp_path / "chat.json", model=tiny)
@@ -718,7 +718,7 @@ def test_resume_from_a_bad_file_is_one_line_and_starts_nothing(tmp_path, monkeyp
 @pytest.mark.anyio
 async def test_load_switches_to_the_saved_model(tmp_path):
     """A file saved with another model brings that model back (the stub engine: no weights)."""
-    from tui.session import ChatSession
+    from macinfer.tui.session import ChatSession
 
     saved = ChatSession(system="Be brief.", turns=[{"role": "user", "content": "Hi"},
                                                    {"role": "assistant", "content": "Hello."}])

@@ -1,4 +1,4 @@
-"""`macinfer chat --url`: the chat UI on a running server (tui.remote) and the server panel (tui.scrape,
+"""`macinfer chat --url`: the chat UI on a running server (macinfer.tui.remote) and the server panel (macinfer.tui.scrape,
 tui.widgets.server).
 
 A tiny model is served with the real app (create_app, serve_in_thread) on a loopback port; the
@@ -22,11 +22,11 @@ from macinfer.cli.chat import chat_cmd
 from macinfer.llm import LLM
 from macinfer.serve.server import create_app, serve_in_thread
 from test_tui import SIZE, loaded, notices, number, send, wait_for
-from tui import scrape
-from tui.app import ChatApp
-from tui.widgets import MetricsPanel
-from tui.widgets.server import ServerPanel
-from tui.widgets.transcript import Reply
+from macinfer.tui import scrape
+from macinfer.tui.app import ChatApp
+from macinfer.tui.widgets import MetricsPanel
+from macinfer.tui.widgets.server import ServerPanel
+from macinfer.tui.widgets.transcript import Reply
 
 MODEL = "tiny-llama"
 

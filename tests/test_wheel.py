@@ -39,7 +39,7 @@ def test_wheel_runs_draft_auto_in_a_fresh_venv(tmp_path):
     pip = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
                          capture_output=True, text=True, env=env)
     assert pip.returncode == 0, pip.stderr[-2000:]
-    probe = ("import macinfer.paths as p, macinfer.spec.speculator as s; "
+    probe = ("import macinfer.paths as p, macinfer.spec_decode.speculator as s; "
              "print(p.models_dir()); print(s.shipped_draft_for('smollm2-135m'))")
     where = subprocess.run([str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
     models, draft = (where.stdout.strip().splitlines() + ["", ""])[:2]

@@ -9,14 +9,14 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from tui.backend import ChatBackend
-from tui.commands import COMMANDS
-from tui.engine_process import EngineProcess
-from tui.messages import EngineOutput
-from tui.remote import RemoteBackend, server_root
-from tui.runner import Load
-from tui.screens.chat import ChatScreen
-from tui.session import ChatSession
+from macinfer.tui.backend import ChatBackend
+from macinfer.tui.commands import COMMANDS
+from macinfer.tui.engine_process import EngineProcess
+from macinfer.tui.messages import EngineOutput
+from macinfer.tui.remote import RemoteBackend, server_root
+from macinfer.tui.runner import Load
+from macinfer.tui.screens.chat import ChatScreen
+from macinfer.tui.session import ChatSession
 
 
 class ChatApp(App):
@@ -33,7 +33,7 @@ class ChatApp(App):
         make_backend: builds the backend for a MODEL spec in the engine process (tests inject
             their own): it must pickle, so a module-level function or a functools.partial.
         url, api_key: chat with the model `model` (None: the first listed) on this OpenAI-compatible
-            server instead (tui.remote), and show its /metrics (tui.widgets.server).
+            server instead (macinfer.tui.remote), and show its /metrics (macinfer.tui.widgets.server).
     """
 
     CSS_PATH = "app.tcss"

@@ -1,6 +1,6 @@
 """The adapter between the chat UI and macinfer's engine: the only module that calls it.
 
-Everything here runs in the engine process (tui.runner), never in the UI's.
+Everything here runs in the engine process (macinfer.tui.runner), never in the UI's.
 It speaks the engine's vocabulary (`add_request`, `step`, `abort_request`,
 `has_unfinished`, `kv_stats`) over `LLM(...).engine`, macinfer's paged,
 continuously-batched LLMEngine, so the runner reads like an engine loop.
@@ -14,7 +14,7 @@ import gc
 from typing import TYPE_CHECKING, Callable
 
 from macinfer.errors import MacinferError
-from tui.messages import KVStats, ModelCard
+from macinfer.tui.messages import KVStats, ModelCard
 
 if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load()
     from macinfer.core.metrics import RequestMetrics

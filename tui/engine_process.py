@@ -1,4 +1,4 @@
-"""The engine process: the chat's engine (tui.runner) in a child process, and the UI's handle on it.
+"""The engine process: the chat's engine (macinfer.tui.runner) in a child process, and the UI's handle on it.
 
     ui = EngineProcess(partial(ChatBackend, peak_bandwidth=100), screen.post_message)
     ui.start(); ui.submit(Load(None))   # Messages arrive at screen.post_message
@@ -30,8 +30,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from tui.messages import EngineOutput, EngineStopped
-from tui.runner import Call, EngineRunner, Load, Returned, one_line
+from macinfer.tui.messages import EngineOutput, EngineStopped
+from macinfer.tui.runner import Call, EngineRunner, Load, Returned, one_line
 
 
 class EngineProcess:

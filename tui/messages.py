@@ -1,6 +1,6 @@
 """What the engine tells the UI: Message dataclasses, nothing else.
 
-The engine process (tui.runner, started by tui.engine_process) sends these to the
+The engine process (macinfer.tui.runner, started by macinfer.tui.engine_process) sends these to the
 UI process, whose reader thread posts them to the chat screen; the UI never calls
 the engine. They cross a pipe as their fields (EngineMessage) and are built anew on
 arrival, so everything in them pickles. Bursty ones (load progress, live stats) define `can_replace`

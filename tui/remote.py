@@ -2,7 +2,7 @@
 
     RemoteBackend(url="http://127.0.0.1:8000", api_key=None)   # built by the engine process
 
-It speaks ChatBackend's vocabulary, so tui.runner drives it like a local engine and every
+It speaks ChatBackend's vocabulary, so macinfer.tui.runner drives it like a local engine and every
 figure takes the same path to the UI. A request is a streamed chat completion (the official
 openai client) read on a thread of its own into one queue; `step()` hands out what has
 arrived, one chunk per step, and returns empty-handed after POLL seconds so the runner can take
@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.errors import MacinferError
-from tui.messages import ModelCard
+from macinfer.tui.messages import ModelCard
 
 if TYPE_CHECKING:
     from macinfer.core.sampling_params import SamplingParams
@@ -218,7 +218,7 @@ class RemoteBackend:
     def request_metrics(self, request_id: str) -> None:
         return None  # the engine's metrics stay on the server
 
-    # -- what the engine can tell: the server's /metrics, polled by the UI (tui.widgets.server) --
+    # -- what the engine can tell: the server's /metrics, polled by the UI (macinfer.tui.widgets.server) --
     def kv_stats(self) -> None:
         return None
 

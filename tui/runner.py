@@ -6,7 +6,7 @@
                                                                       │
     chat screen <──(reader thread)── pipe <──post(LoadProgress, ReplyText, StatsUpdate, ...)
 
-It runs on the main thread of the engine process (tui.engine_process starts it), so
+It runs on the main thread of the engine process (macinfer.tui.engine_process starts it), so
 only that thread touches the backend and MLX, and nothing the UI does (layout,
 Markdown, garbage collection) holds its GIL. It never waits on the UI: `post` only
 writes to a pipe. Every write wakes the UI's reader thread, which on a busy machine
@@ -14,7 +14,7 @@ costs the engine a context switch in the middle of its loop, so writes are few: 
 goes at most every TEXT_INTERVAL seconds, the live figures only along with it and at
 most every STATS_INTERVAL, and what one step has to say goes as one list (the reader
 posts its Messages in order). The reply widget then batches the text it shows
-(tui.widgets.transcript.Reply).
+(macinfer.tui.widgets.transcript.Reply).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from macinfer.core.sampling_params import SamplingParams
-    from tui.backend import ChatBackend
-from tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
+    from macinfer.tui.backend import ChatBackend
+from macinfer.tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, Stats, StatsUpdate)
 
 TEXT_INTERVAL = 0.08

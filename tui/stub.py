@@ -6,7 +6,7 @@ It speaks ChatBackend's vocabulary, so EngineRunner drives it in the engine proc
 and its deltas take the real path (runner -> pipe -> Messages -> chat screen ->
 widgets). A step "computes" for 1/rate seconds (`time.sleep`, as a decode step
 waits on an MLX eval), then hands out its delta in Python, just as a fast model's
-decode step does. `python -m tui.overhead --stub-rate 300` and the tests use it
+decode step does. `python scripts/bench/tui_overhead.py --stub-rate 300` and the tests use it
 (ChatApp(make_backend=functools.partial(StubBackend, rate=300))); it imports no MLX.
 """
 
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.errors import MacinferError
-from tui.messages import KVStats, ModelCard
+from macinfer.tui.messages import KVStats, ModelCard
 
 SAMPLE = """\
 ## Tides

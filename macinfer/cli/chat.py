@@ -49,8 +49,8 @@ def chat_cmd(model, system, max_tokens, temp, seed, peak_bandwidth, kv_memory, d
       macinfer chat --resume chat.json                    # after /save chat.json
       macinfer chat --url http://127.0.0.1:8000           # a running `macinfer serve`
     """
-    from tui.app import ChatApp  # light: MLX and the model load in the engine process, behind a progress bar
-    from tui.session import ChatSession
+    from macinfer.tui.app import ChatApp  # light: MLX and the model load in the engine process, behind a progress bar
+    from macinfer.tui.session import ChatSession
 
     session = None
     if resume:
@@ -96,7 +96,7 @@ def _remote_model(url: str | None, model: str | None, model_name: str | None) ->
                             "(pass them to `macinfer serve`)")
     if model and model_name and model != model_name:
         raise MacinferError(f"two models asked for: MODEL {model} and --model {model_name}: give one")
-    from tui.remote import check_server
+    from macinfer.tui.remote import check_server
 
     check_server(url, ctx.params["api_key"], model_name or model)  # one line, before the UI starts
     return model_name or model

@@ -192,7 +192,7 @@ def _show_info(m, no_probe: bool) -> dict:
     """What `show` reports about a found model, as the JSON it prints with --json."""
     from macinfer.modelio.model_files import has_chat_template, read_config
     from macinfer.modelio.registry import gguf_conversion
-    from macinfer.spec.speculator import shipped_draft_for
+    from macinfer.spec_decode.speculator import shipped_draft_for
 
     draft = shipped_draft_for(m.catalog_name or m.name)
     info = {**m.to_json(), "kv_bytes_per_token": None, "kv_dtype": None, "chat_template": None,
@@ -278,7 +278,7 @@ def cache_cmd(ctx, as_json):
     if ctx.invoked_subcommand is not None:
         return
     from macinfer.modelio.model_files import fmt_ago
-    from macinfer.modelio.prefix_dirs import prefix_dirs, prefix_root
+    from macinfer.prefix_cache.dirs import prefix_dirs, prefix_root
 
     dirs = prefix_dirs()
     total = sum(p.size_bytes for p in dirs)

@@ -14,7 +14,7 @@ Design choices (vLLM v1's `block_pool.py` / `kv_cache_manager.py`):
 - Every block has a `ref_cnt`; a block returns to the free queue when it drops
   to 0. With prefix caching, several sequences hold the same prefix blocks.
 - Prefix caching (`enable_caching`): once a block is full and computed it gets a
-  `block_hash` (macinfer.core.prefix_cache) and enters `cached_block_hash_to_block`.
+  `block_hash` (macinfer.prefix_cache.keys) and enters `cached_block_hash_to_block`.
   Freed, it keeps its hash and stays findable while it sits in the free queue;
   the hash is dropped (the block *evicted*) only when the block is popped for
   reuse. A hit takes the block out of the queue (O(1): the queue is ordered by
@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
 
-from macinfer.core.prefix_cache import PrefixCacheStats, hash_blocks
+from macinfer.prefix_cache.keys import PrefixCacheStats, hash_blocks
 
 if TYPE_CHECKING:
     from macinfer.core.sequence import Sequence
@@ -82,7 +82,7 @@ class FreeBlockQueue:
 
 
 class PrefixStore(Protocol):
-    """A slower tier behind the in-memory prefix cache (macinfer.kv_store.DiskPrefixStore)."""
+    """A slower tier behind the in-memory prefix cache (macinfer.prefix_cache.disk.DiskPrefixStore)."""
 
     def num_leading(self, block_hashes: list[bytes]) -> int:
         """How many of block_hashes, from the first, the tier holds (an index check, no I/O)."""

@@ -17,7 +17,7 @@ computes a step's masks while MLX evaluates the forward (macinfer.core.model_run
 
 NOTE: a request's matcher has consumed exactly its generated tokens (and the EOS that ended
 it). The engine advances it as it appends a token (LLMEngine._process_token), never
-speculatively: requests with a grammar get no drafts (macinfer.spec.decoder), and a pipelined
+speculatively: requests with a grammar get no drafts (macinfer.spec_decode.decoder), and a pipelined
 step samples their rows only once the step before is read back (macinfer.engine.pipeline,
 ModelRunner.launch_held). Preemption keeps the generated tokens, so it keeps the matcher's
 state too; chunked prefill samples nothing, so it never touches it.

@@ -89,7 +89,7 @@ class ModelRunner:
         if specs:  # a model without attention layers (mamba2) has no RoPE to share
             install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
-        # A feature draft (macinfer.spec.feature_draft) reads every forward's final hidden states.
+        # A feature draft (macinfer.spec_decode.feature_draft) reads every forward's final hidden states.
         self.hidden_sink = None
         self._body = self._head = None
         self.decode_graph: DecodeGraph | None = None  # set by the engine where compiling pays (CPU backend)
@@ -97,7 +97,7 @@ class ModelRunner:
         # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
         self._with_forward: list[mx.array] = []
         self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
-        # Verifies a forward holding drafted tokens (set by macinfer.spec.speculator):
+        # Verifies a forward holding drafted tokens (set by macinfer.spec_decode.speculator):
         # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         self.verifier = None
         # Structured output (set by the engine): fill_masks(matchers) -> int32 (B, W) token bitmasks.
@@ -147,7 +147,7 @@ class ModelRunner:
 
         Args:
             rows: each row's sequence and how many new tokens it computes (drafted tokens
-                follow its last real one: macinfer.spec.decoder).
+                follow its last real one: macinfer.spec_decode.decoder).
             all_logits: the logits of every position instead: (B, L, V).
             head: applied to the final hidden states of the model's body (`model.model`)
                 instead of the model's own head (a draft's head over part of the vocabulary).

@@ -64,7 +64,7 @@ class SchedulerConfig:
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
-    num_spec_tokens: int = 0  # of num_new_tokens, drafted tokens to verify (macinfer.spec.decoder)
+    num_spec_tokens: int = 0  # of num_new_tokens, drafted tokens to verify (macinfer.spec_decode.decoder)
 
     @property
     def samples(self) -> bool:

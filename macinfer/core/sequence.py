@@ -65,7 +65,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        # Speculative decoding (macinfer.spec.decoder): drafted tokens to verify this step, and
+        # Speculative decoding (macinfer.spec_decode.decoder): drafted tokens to verify this step, and
         # the (k, V) draft distributions they were drawn from (None: a deterministic drafter).
         self.spec_token_ids: list[int] = []
         self.spec_probs = None

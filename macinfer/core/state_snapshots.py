@@ -4,7 +4,7 @@ A cached KV block is only usable by a model with state layers if the recurrent s
 the same tokens is known too: the state cannot be rebuilt from K/V. So the engine keeps
 copies of a sequence's state (one slot's worth of arrays, macinfer.kv.state_cache) at a few
 block boundaries, keyed by the hash of the block ending there. Block hashes chain the whole
-prefix (macinfer.core.prefix_cache), so the hash names the exact tokens the state consumed.
+prefix (macinfer.prefix_cache.keys), so the hash names the exact tokens the state consumed.
 
 Which boundaries (StateScheduler picks them; a prefill chunk is capped to end there, which costs a
 forward: none before 64 tokens, and spare ones only in prompts of 256+ tokens):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from macinfer.core.kv_store import DiskPrefixStore
-from macinfer.core.prefix_cache import model_identity
+from macinfer.prefix_cache.disk import DiskPrefixStore
+from macinfer.prefix_cache.keys import model_identity
 from macinfer.errors import MacinferError
 from macinfer.kv.quant import quantized_bytes_per_token
 from macinfer.paths import cache_dir
@@ -29,12 +29,12 @@ class EngineConfig:
         max_model_len: longest sequence; None for the model's context length.
         verbose: print the KV budget and capacity at start-up.
         enable_prefix_cache: reuse the K/V of full blocks shared with earlier
-            prompts (macinfer.core.prefix_cache); outputs are the same either way.
+            prompts (macinfer.prefix_cache.keys); outputs are the same either way.
         persist_prefix_cache: also keep cached blocks on disk for later processes.
         prefix_cache_dir: root of the persistent tier (default $MACINFER_PREFIX_CACHE_DIR
             or cache_dir()/prefix); each model gets a subdirectory named by its identity.
         prefix_cache_disk_bytes: size limit of the persistent tier (all models together).
-        draft: speculative decoding (macinfer.spec.decoder): "ngram" (prompt lookup), a
+        draft: speculative decoding (macinfer.spec_decode.decoder): "ngram" (prompt lookup), a
             draft model (shipped draft name, path, catalog name, repo id, or a loaded
             mlx-lm model sharing the tokenizer), "<draft model>+ngram" (lookup where the
             text repeats itself, the model elsewhere), "auto" (the draft shipped for this
@@ -185,7 +185,7 @@ def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
         root = root.expanduser()
         pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.pool_caches, engine.block_size,
                                      parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"))
-        from macinfer.modelio.prefix_dirs import label_prefix_dir  # `macinfer cache` names the directory
+        from macinfer.prefix_cache.dirs import label_prefix_dir  # `macinfer cache` names the directory
 
         if engine.info is not None:
             label_prefix_dir(root, model_id, engine.info.name, engine.info.path)

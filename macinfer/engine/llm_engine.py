@@ -41,7 +41,7 @@ from macinfer.units import fmt_bytes
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
-from macinfer.core.prefix_cache import prefix_cache_stats
+from macinfer.prefix_cache.keys import prefix_cache_stats
 from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
 from macinfer.engine.pipeline import InFlight, PipelinedSteps
@@ -50,7 +50,7 @@ from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.core.state_pool import StatePool, StateScheduler, check_drafter
 from macinfer.core.state_snapshots import StateSnapshots
-from macinfer.spec.speculator import make_spec_decoder
+from macinfer.spec_decode.speculator import make_spec_decoder
 
 class LLMEngine(PipelinedSteps):
     """Continuous-batching engine over a paged KV cache.

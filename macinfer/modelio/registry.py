@@ -15,7 +15,7 @@ Parameter counts come from the safetensors headers (tensor shapes; a quantised w
 the weight files (what huggingface_hub reports as last_accessed): filesystems mounted
 `noatime` do not update it.
 
-The prefix cache's disk tier (macinfer.core.kv_store) keeps one directory per model
+The prefix cache's disk tier (macinfer.prefix_cache.disk) keeps one directory per model
 identity, a hash; the engine writes a label `<root>/<model id>.json` ({"name", "path"})
 beside it (`label_prefix_dir`) so `macinfer cache` can say which model a directory is for.
 """

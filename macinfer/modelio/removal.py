@@ -12,7 +12,7 @@ from macinfer.errors import MacinferError
 from macinfer.paths import cache_dir
 from macinfer.modelio.leases import holders
 from macinfer.modelio.model_files import dir_size
-from macinfer.modelio.prefix_dirs import PrefixDir, remove_prefix_dir, prefix_dirs, prefix_root
+from macinfer.prefix_cache.dirs import PrefixDir, remove_prefix_dir, prefix_dirs, prefix_root
 from macinfer.units import fmt_bytes
 from macinfer.modelio.registry import hf_cache_info, hf_repo, find_model
 

@@ -69,7 +69,7 @@ RANDOM = "Continue this list of random words: zebra quantum velvet 7 orbit mango
 
 
 def load():
-    from macinfer.spec.draft_model import load_draft
+    from macinfer.spec_decode.draft_model import load_draft
     from macinfer.modelio.loader import load_model
 
     model, tok, info = load_model(None, dequantize=True)
@@ -174,7 +174,7 @@ def main():
     if not 0 <= args.heldout <= 48:
         ap.error("--heldout takes 1 to 48 prompts")
     if args.candidate:
-        from macinfer.spec.feature_draft import is_feature_draft
+        from macinfer.spec_decode.feature_draft import is_feature_draft
 
         if not args.heldout:
             ap.error("--candidate goes with --heldout N")

@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--real", type=int, default=0, help="also run real speculative decoding on N prompts")
     args = ap.parse_args()
 
-    from macinfer.spec.draft_model import load_draft
+    from macinfer.spec_decode.draft_model import load_draft
 
     t0 = time.time()
     target, tokenizer, _ = td.load_target()

@@ -18,7 +18,7 @@ What it does (every stage is seeded, so a rerun reproduces the data and the draf
    from those layers of the target (default 0,1,2,29), the target's final norm, and the target's
    embedding as a frozen input embedding. Its lm_head is the target's embedding restricted to
    ``--head-vocab`` tokens (default 8,192: the special and byte tokens, then the tokens most
-   frequent in the training continuations, then the lowest ids; see macinfer.spec.draft_model's
+   frequent in the training continuations, then the lowest ids; see macinfer.spec_decode.draft_model's
    SubsetHead): a full 49,152-row head would cost twice the four layers per draft token. Only the
    layers and the norm train (Adam, cosine decay, float32), on a soft cross-entropy to the
    target's top-16 distribution plus a hard cross-entropy to the target's greedy token, softmax
@@ -355,7 +355,7 @@ def build_draft(target, target_config: dict, layers: list[int], head_vocab: int 
 
 def save_draft(draft, cfg: dict, out: Path, meta: dict, head_ids=None) -> int:
     """Write the draft (macinfer.draft_model.save_draft: 8-bit layers, no embedding) and its README."""
-    from macinfer.spec.draft_model import save_draft as save
+    from macinfer.spec_decode.draft_model import save_draft as save
 
     size = save(draft, cfg, out, head_ids=head_ids)
     (out / "README.md").write_text(readme(cfg, meta))
@@ -520,7 +520,7 @@ def cmd_train(args):
     model, tokenizer, info = load_target()
     target_config = json.loads((Path(info.path) / "config.json").read_text())
     from macinfer.core.lm_head import SubsetHead
-    from macinfer.spec.draft_model import load_draft
+    from macinfer.spec_decode.draft_model import load_draft
 
     held = load_shards("heldout")
     train = load_shards("train")

@@ -139,7 +139,7 @@ def build_draft(target, target_config: dict, head_ids: list[int], init_layer: in
     from mlx_lm.models import llama
 
     from macinfer.core.lm_head import SubsetHead
-    from macinfer.spec.feature_draft import FeatureDraft, feature_draft_config
+    from macinfer.spec_decode.feature_draft import FeatureDraft, feature_draft_config
 
     cfg = feature_draft_config(target_config, len(head_ids), source_layer=init_layer)
     draft = FeatureDraft(llama.ModelArgs.from_dict(cfg))
@@ -243,7 +243,7 @@ def cmd_train(args):
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from macinfer.spec.draft_model import save_draft
+    from macinfer.spec_decode.draft_model import save_draft
 
     random.seed(SEED)
     mx.random.seed(SEED)
@@ -257,7 +257,7 @@ def cmd_train(args):
     head_ids = td.choose_head_ids([t[:4] for t in train], vocab, args.head_vocab)
     draft, cfg = build_draft(model, target_config, head_ids, args.init_layer)
     if args.init:  # continue from a saved draft: its weights and its head's tokens
-        from macinfer.spec.feature_draft import load_feature_draft
+        from macinfer.spec_decode.feature_draft import load_feature_draft
 
         saved = load_feature_draft(Path(args.init), model)
         head_ids = np.array(saved.head.ids).tolist()
@@ -383,7 +383,7 @@ The default speculative-decoding draft for the embedded SmolLM2-135M-Instruct: a
 
 
 def cmd_eval(args):
-    from macinfer.spec.feature_draft import load_feature_draft
+    from macinfer.spec_decode.feature_draft import load_feature_draft
 
     model, _, _ = td.load_target()
     draft = load_feature_draft(Path(args.draft), model)
@@ -428,7 +428,7 @@ def cmd_head(args):
     import mlx.core as mx
     import numpy as np
 
-    from macinfer.spec.feature_draft import is_feature_draft
+    from macinfer.spec_decode.feature_draft import is_feature_draft
 
     path = Path(args.draft)
     if not is_feature_draft(path):

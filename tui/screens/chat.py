@@ -16,14 +16,14 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from tui import commands
-from tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
+from macinfer.tui import commands
+from macinfer.tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, StatsUpdate)
-from tui.runner import Abort, Generate, Load, SetOption
-from tui.session import ChatSession
-from tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
-from tui.widgets.server import ServerPanel
-from tui.widgets.transcript import Reply
+from macinfer.tui.runner import Abort, Generate, Load, SetOption
+from macinfer.tui.session import ChatSession
+from macinfer.tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
+from macinfer.tui.widgets.server import ServerPanel
+from macinfer.tui.widgets.transcript import Reply
 
 
 class ChatScreen(Screen):
@@ -210,7 +210,7 @@ class ChatScreen(Screen):
             self._show_status("cancelling")
 
     def action_help(self) -> None:
-        from tui.screens.help import HelpScreen
+        from macinfer.tui.screens.help import HelpScreen
 
         self.app.push_screen(HelpScreen())
 

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from tui.commands import COMMANDS, KEYS
+from macinfer.tui.commands import COMMANDS, KEYS
 
 
 class HelpScreen(ModalScreen[None]):

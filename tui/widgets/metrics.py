@@ -14,7 +14,7 @@ from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from macinfer import units
-from tui.messages import ModelCard, Stats
+from macinfer.tui.messages import ModelCard, Stats
 
 NA, UNSET = "n/a", "-"
 

@@ -1,6 +1,6 @@
 """The server section of the metrics panel (`macinfer chat --url`): the server's own figures.
 
-Polls the server's /metrics about once a second on a worker thread (tui.scrape) and shows
+Polls the server's /metrics about once a second on a worker thread (macinfer.tui.scrape) and shows
 KV blocks used / total, requests running and waiting, and, for a model split over ranks,
 a row per rank: its active memory and the time one forward's collectives take on it, with
 the time rank 0 spends sending each step's plan. A server without /metrics (mlx_lm.server)
@@ -19,8 +19,8 @@ from textual.message import Message
 from textual.widgets import Static
 
 from macinfer.errors import MacinferError
-from tui import scrape
-from tui.widgets.metrics import Figures
+from macinfer.tui import scrape
+from macinfer.tui.widgets.metrics import Figures
 
 INTERVAL = 1.0  # seconds between scrapes
 

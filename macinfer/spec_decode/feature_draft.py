@@ -42,7 +42,7 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.core.model_runner import ModelRunner
 from macinfer.kv.model_probe import inspect_model
-from macinfer.spec.drafter import STEADY_TOKENS, pick_kept
+from macinfer.spec_decode.drafter import STEADY_TOKENS, pick_kept
 from macinfer.errors import MacinferError
 from macinfer.core.sequence import Sequence
 

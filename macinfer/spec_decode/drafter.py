@@ -10,8 +10,8 @@ One small interface (`Drafter`), and these kinds:
   times per step over its own paged KV cache (its own BlockPool and
   ModelRunner, the same machinery as the target's). It samples each draft
   from its own distribution q with the request's sampling parameters and key,
-  and hands q to the verifier (macinfer.spec.rejection).
-- `FeatureDrafter` (macinfer.spec.feature_draft): a one-layer draft fed the
+  and hands q to the verifier (macinfer.spec_decode.rejection).
+- `FeatureDrafter` (macinfer.spec_decode.feature_draft): a one-layer draft fed the
   target's own hidden states (EAGLE-style).
 - `LookupDrafter`: n-gram lookup for rows whose text repeats itself, a model
   drafter for the others ("<model>+ngram", and "auto").

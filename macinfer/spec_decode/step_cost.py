@@ -1,7 +1,7 @@
 """What a decode step costs: the time model SpecDecoder weighs drafts against.
 
 A step that computes `tokens` tokens (rows x width) takes A + b * tokens seconds. The
-decoder (macinfer.spec.decoder) fits A and b on the decode-only steps it sees, and
+decoder (macinfer.spec_decode.decoder) fits A and b on the decode-only steps it sees, and
 picks the number of drafts per row that maximises expected tokens per second.
 """
 

@@ -9,7 +9,7 @@ before it (through its parent's hash), its own token ids, and the model. So
 Two requests share block i exactly when they agree on every token up to the end
 of block i *and* run the same model, which is when the K/V are bit-for-bit the
 same. The hashes are SHA-256 (stable across processes, so the persistent tier in
-`macinfer.core.kv_store` can key files by them; Python's `hash()` is salted per run).
+`macinfer.prefix_cache.disk` can key files by them; Python's `hash()` is salted per run).
 
 The model identity covers what changes K/V: config, weights (their files, and a
 sample of every parameter so adapters and in-memory edits count), parameter

@@ -10,14 +10,14 @@
 from __future__ import annotations
 
 from macinfer.errors import MacinferError
-from macinfer.spec.decoder import SpecDecoder, verify_rows
-from macinfer.spec.draft_model import SHIPPED_DRAFTS, load_draft
-from macinfer.spec.drafter import DraftModelDrafter, Drafter, LookupDrafter, NgramDrafter
-from macinfer.spec.feature_draft import FeatureDraft, FeatureDrafter
+from macinfer.spec_decode.decoder import SpecDecoder, verify_rows
+from macinfer.spec_decode.draft_model import SHIPPED_DRAFTS, load_draft
+from macinfer.spec_decode.drafter import DraftModelDrafter, Drafter, LookupDrafter, NgramDrafter
+from macinfer.spec_decode.feature_draft import FeatureDraft, FeatureDrafter
 
 
 def shipped_draft_for(model_name: str | None) -> str | None:
-    """The name of the draft shipped for this model, if any (macinfer.spec.draft_model.SHIPPED_DRAFTS)."""
+    """The name of the draft shipped for this model, if any (macinfer.spec_decode.draft_model.SHIPPED_DRAFTS)."""
     path = SHIPPED_DRAFTS.get(model_name or "")
     return model_name if path is not None and path.is_dir() else None
 
@@ -26,7 +26,7 @@ def make_drafter(draft, model, tokenizer, num_blocks: int, block_size: int, runn
     """"ngram", a draft model spec (shipped name, path, catalog name, repo id), a loaded model or a Drafter.
 
     "<model spec>+ngram" drafts by n-gram lookup where the sequence copies itself and with the
-    model elsewhere (drafter.LookupDrafter). A feature draft (macinfer.spec.feature_draft) also needs
+    model elsewhere (drafter.LookupDrafter). A feature draft (macinfer.spec_decode.feature_draft) also needs
     the target's ModelRunner (`runner`), whose forwards hand it their hidden states.
     """
     if isinstance(draft, str) and draft.lower() == "ngram":

@@ -1,7 +1,7 @@
 """The TUI's own cost: decode tok/s inside `macinfer chat` vs the bare engine, same prompt.
 
-    python -m tui.overhead [MODEL] [-n 64] [--rounds 5]
-    python -m tui.overhead --stub-rate 300 [-n 600] [--rounds 5]
+    python scripts/bench/tui_overhead.py [MODEL] [-n 64] [--rounds 5]
+    python scripts/bench/tui_overhead.py --stub-rate 300 [-n 600] [--rounds 5]
 
 Model mode: each round runs the prompt (greedy, so the same tokens) through
 `LLM.stream`, as `macinfer run` does, then through a headless ChatApp (engine
@@ -9,7 +9,7 @@ process, Messages, Markdown streaming, metrics panel) on the same model, alterna
 so machine noise hits both alike. (The app's engine process loads its own copy and, like
 the bare engine, answers a 4-token warm-up first.)
 
-Stub mode (--stub-rate N): no model. tui.stub.StubBackend streams Markdown at N tok/s
+Stub mode (--stub-rate N): no model. macinfer.tui.stub.StubBackend streams Markdown at N tok/s
 (each step sleeps 1/N s, as a step waits on an MLX eval) through the real engine
 process, runner, Messages and widgets. The bare rate is the same stub stepped in a
 plain loop; in the app, "engine" is the rate the stub kept up while the UI ran, and
@@ -19,11 +19,11 @@ counts too. (The first token is stamped in the engine process: time.perf_counter
 the system-wide monotonic clock on Linux and macOS, so the two processes' readings
 compare.)
 
-The engine runs in its own process (tui.engine_process) because on a thread it
+The engine runs in its own process (macinfer.tui.engine_process) because on a thread it
 shared the UI's GIL, and the UI's layout and Markdown work delayed its every step.
 What is left between the two is CPU on a machine with few cores and the pipe: each
 write wakes the UI's reader thread mid-step (so the engine batches what it posts, at
-most every tui.runner.TEXT_INTERVAL), and each Markdown append costs the UI a layout
+most every macinfer.tui.runner.TEXT_INTERVAL), and each Markdown append costs the UI a layout
 (so the reply shows new text in a plain tail and appends complete blocks at most every
 Reply.LAYOUT_INTERVAL). The UI rate also counts the reply's last append, which the
 user waits for after the last token.
@@ -64,8 +64,8 @@ async def reply_in(app, timeout: float, probe=None, warm_up: bool = False) -> tu
     It waits on the reply's own `finish`, not by polling: a Pilot.pause visits every
     widget, work that the app alone would not do.
     """
-    from tui.widgets import MetricsPanel
-    from tui.widgets.transcript import Reply
+    from macinfer.tui.widgets import MetricsPanel
+    from macinfer.tui.widgets.transcript import Reply
 
     done = asyncio.Event()
     finished: list = []
@@ -99,7 +99,7 @@ async def reply_in(app, timeout: float, probe=None, warm_up: bool = False) -> tu
 
 
 async def in_tui(model: str | None, max_tokens: int) -> float:
-    from tui.app import ChatApp
+    from macinfer.tui.app import ChatApp
 
     app = ChatApp(model, max_tokens=max_tokens, peak_bandwidth=100)
     _, _, stats, _ = await reply_in(app, timeout=3600, warm_up=True)
@@ -110,7 +110,7 @@ async def in_tui(model: str | None, max_tokens: int) -> float:
 def bare_stub(rate: float, n: int) -> float:
     """The stub stepped as `LLM.stream` steps an engine: no UI."""
     from macinfer.core.sampling_params import SamplingParams
-    from tui.stub import StubBackend
+    from macinfer.tui.stub import StubBackend
 
     b = StubBackend(rate=rate)
     b.add_request(list(range(8)), SamplingParams(max_tokens=n), "bare")
@@ -124,8 +124,8 @@ def bare_stub(rate: float, n: int) -> float:
 async def in_tui_stub(rate: float, n: int) -> tuple[float, float, object]:
     """(engine tok/s, UI tok/s, the Reply widget: its Markdown appends and tail repaints) of one reply
     in a headless ChatApp."""
-    from tui.app import ChatApp
-    from tui.stub import StubBackend
+    from macinfer.tui.app import ChatApp
+    from macinfer.tui.stub import StubBackend
 
     app = ChatApp(max_tokens=n, make_backend=partial(StubBackend, rate=rate))
     finished_at, reply, m, first_token = await reply_in(app, timeout=60 + 4 * n / rate,

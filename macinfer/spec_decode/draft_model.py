@@ -33,12 +33,12 @@ from macinfer.errors import MacinferError
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.modelio.loader import load_model
 from macinfer.paths import models_dir
-from macinfer.spec.feature_draft import is_feature_draft, load_feature_draft
+from macinfer.spec_decode.feature_draft import is_feature_draft, load_feature_draft
 
 _MODELS = models_dir()
 
 # By target name: the default draft, then the others. "smollm2-135m" is a feature draft
-# (macinfer.spec.feature_draft: reads the target's hidden states); "-tokens" is a small token-only
+# (macinfer.spec_decode.feature_draft: reads the target's hidden states); "-tokens" is a small token-only
 # model that any speculative decoder (mlx-lm's too) can run.
 SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-eagle", "smollm2-135m-tokens": _MODELS / "smollm2-135m-draft"}
 

@@ -1,6 +1,6 @@
 """The prefix cache's disk directories, one per model identity, and the labels that name their model.
 
-The prefix cache's disk tier (macinfer.core.kv_store) keeps one directory per model identity,
+The prefix cache's disk tier (macinfer.prefix_cache.disk) keeps one directory per model identity,
 a hash; the engine writes a label `<root>/<model id>.json` ({"name", "path"}) beside it
 (`label_prefix_dir`) so `macinfer cache` can say which model a directory is for. The files hold
 token ids that decode back to the prompts.
@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from macinfer.paths import cache_dir
-from macinfer.modelio.model_files import dir_size
 
 
 @dataclass
@@ -73,11 +72,21 @@ def prefix_dirs() -> list[PrefixDir]:
             label = json.loads((root / f"{d.name}.json").read_text())
         except (OSError, ValueError):
             label = {}
+        stats = [st for st in map(_stat, d.iterdir()) if st is not None]
         times = [f.stat().st_mtime for f in files if f.exists()]
-        out.append(PrefixDir(d.name, d, len(files), dir_size(d), max(times) if times else None,
+        out.append(PrefixDir(d.name, d, len(files), sum(st.st_size for st in stats), max(times) if times else None,
                              label.get("name") if isinstance(label, dict) else None,
                              label.get("path") if isinstance(label, dict) else None))
     return sorted(out, key=lambda p: -p.size_bytes)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """A block file's stat (the directory is flat), None if it went meanwhile or is not a file."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st if path.is_file() and not path.is_symlink() else None
 
 
 def remove_prefix_dir(p: PrefixDir) -> None:

@@ -8,7 +8,7 @@ One step, as the engine runs it with a drafter:
      more tokens to compute); drafts are dropped rather than preempt anyone.
   3. ModelRunner runs ONE forward over every decode row, padded to 1 + max k, and
      hands the logits of the drafted positions to `verify_rows` (exact rejection
-     sampling, macinfer.spec.rejection).
+     sampling, macinfer.spec_decode.rejection).
   4. `Scheduler.update_from_output` rolls num_computed_tokens back past the
      rejected drafts and frees the blocks that held only them; the engine appends
      the accepted tokens and the target's own next token; `SpecDecoder.record`
@@ -25,7 +25,7 @@ a_i is request i's acceptance rate for the kind of draft it would get now (decay
 counts, with the drafter's pooled rate for that kind as prior; a drafter may tell kinds
 apart, as NgramDrafter does by match length); A + b * tokens is the measured cost of a
 decode step (a linear fit over recent decode-only steps, forgetting old ones: StepCost
-in macinfer.spec.step_cost), D the measured cost of one draft-model round (0 for n-gram,
+in macinfer.spec_decode.step_cost), D the measured cost of one draft-model round (0 for n-gram,
 and when no row would draft with the model), r_i how often the drafter lately declined a
 row of that kind (a feature draft unsure of its first token drafts nothing: the round is
 paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from macinfer.spec.drafter import Drafter
-from macinfer.spec.rejection import greedy_verify, rejection_sample
-from macinfer.spec.step_cost import StepCost
+from macinfer.spec_decode.drafter import Drafter
+from macinfer.spec_decode.rejection import greedy_verify, rejection_sample
+from macinfer.spec_decode.step_cost import StepCost
 from macinfer.core.sequence import Sequence, SequenceStatus
 
 

@@ -6,10 +6,9 @@ One file per block, named by its block hash, in a directory per model identity:
         tensors   k.0 v.0 k.1 v.1 ...   each (block_size, n_kv_heads, head_dim), the pool dtype
         metadata  format, model_id, block_hash, token_ids (JSON), digest (of the tensor bytes)
 
-NOTE: the file layout is token-major whatever the in-memory pool layout is (the
-pools are head-major slots since macinfer.kv.paged_attention moved to them): save and
-load transpose, so files written before that change read back unchanged and
-FORMAT did not need a bump. Changing what a file holds would.
+NOTE: the file layout is token-major whatever the in-memory pool layout is (the pools are
+head-major slots, macinfer.kv.paged_attention): save and load transpose. Changing what a
+file holds needs a FORMAT bump.
 
 A later process that misses a block in memory finds it here (BlockPool asks
 `num_leading`, then `load`) and copies it into a free block of its pools, so a
@@ -47,7 +46,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from macinfer.kv.paged_attention import block_slots
 from macinfer.staging import remove_stale
 
 FORMAT = "macinfer-prefix-block/2"  # /2: a digest of the tensor bytes in the metadata
@@ -197,7 +195,8 @@ class DiskPrefixStore:
 
     def _slots(self, block_ids: list[int]) -> mx.array:
         """The pools' slot ids of these blocks, block after block: (n * block_size,)."""
-        return block_slots(mx.array([block_ids], dtype=mx.int32), self.block_size)[0]
+        bs = self.block_size
+        return mx.array([b * bs + i for b in block_ids for i in range(bs)], dtype=mx.int32)
 
     @staticmethod
     def _to_pool(x: mx.array) -> mx.array:
