@@ -211,8 +211,8 @@ def _fall_back(refusal: MacinferError, model_type: str, model, tokenizer, info, 
 
     reason = str(refusal).splitlines()[0] if str(refusal) else type(refusal).__name__
     reason = reason if reason.startswith(f"{model_type}: ") else f"{model_type}: {reason}"
-    dense = DenseEngine(model, tokenizer, info, serial=isinstance(refusal, UnseenAttention), **options)
-    dense.fallback_reason = reason
+    dense = DenseEngine(model, tokenizer, info, serial=isinstance(refusal, UnseenAttention), fallback_reason=reason,
+                        **options)
     turns = "; requests take turns (mlx-lm's batch masks do not fit its attention)" if dense.serial else ""
     print(f"note: running on mlx-lm's BatchGenerator, without {', '.join(OFF_FEATURES)}{turns}: "
           f"the paged engine refuses the model ({reason})", file=sys.stderr)

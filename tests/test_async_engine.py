@@ -42,6 +42,9 @@ class Ticker:
                 del self.left[rid]
         return out
 
+    def release_thread(self):
+        """Nothing kept per thread (Engine protocol)."""
+
 
 def test_a_steps_deltas_reach_each_event_loop_in_one_wake_up():
     aengine = AsyncEngine(Ticker(5, wait_for=8)).start()

@@ -219,7 +219,7 @@ class ScriptedDrafter:
     """Drafts mlx-lm's own continuation with the first e of k drafts right and the rest wrong, e cycling
     through 0..k as the output grows: full, partial and no acceptance, deterministically."""
 
-    name, has_model = "scripted", False
+    name, has_model, hidden_sink = "scripted", False, None
 
     def __init__(self, script: dict, vocab: int):
         self.script, self.vocab, self.proposed = script, vocab, 0
@@ -242,15 +242,15 @@ class ScriptedDrafter:
 
 @pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "mamba2", "nemotron_h"])
 def test_speculative_decoding_is_exact(hybrid, monkeypatch, name):
-    from macinfer.core import state_pool
+    from macinfer.core.model_runner import ModelRunner
 
     path, model, tok = hybrid(name)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (6, 17, 11)]
     want = [oracle(model, p, 14) for p in prompts]
     fed = []
-    refeed = state_pool.refeed_rejected
-    monkeypatch.setattr(state_pool, "refeed_rejected", lambda *a: fed.append(refeed(*a)) or fed[-1])
+    refeed = ModelRunner.refeed_rejected
+    monkeypatch.setattr(ModelRunner, "refeed_rejected", lambda *a: fed.append(refeed(*a)) or fed[-1])
     drafter = ScriptedDrafter({tuple(p): w for p, w in zip(prompts, want)}, model_vocab(model))
     engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
                        draft=drafter, num_speculative_tokens=3, adaptive_speculation=False)

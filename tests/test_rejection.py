@@ -184,7 +184,7 @@ def test_acceptance_is_tracked_per_kind_of_draft():
     """A request's long n-gram matches keep their high rate while its short ones fail."""
     from macinfer.spec_decode.decoder import SpecDecoder
 
-    spec = SpecDecoder(NgramDrafter(), block_pool=None)
+    spec = SpecDecoder(NgramDrafter())
     assert spec.alpha("r", "ngram:3") == NgramDrafter.BUCKETS[3][1]  # the prior before anything is seen
     for _ in range(5):
         spec._record("r", "ngram:3", accepted=5, tried=5)

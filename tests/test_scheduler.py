@@ -1,7 +1,7 @@
 """Scheduler: admission, chunked prefill under the token budget, preemption, FCFS.
 
-No model: a step is simulated by advancing num_computed_tokens and appending a
-dummy token to every sequence that the step completes.
+No model: a step is simulated by handing update_from_output a dummy token for every
+sequence that the step completes.
 """
 
 from macinfer.core.block_pool import BlockPool
@@ -22,10 +22,7 @@ def sq(rid, n):
 def step(sched):
     out = sched.schedule()
     plan = [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
-    sampling = [s.seq for s in out.scheduled if s.samples]
-    sched.update_from_output(out)
-    for seq in sampling:
-        seq.append_token(7)
+    sched.update_from_output(out, [7 if s.samples else None for s in out.scheduled])
     return out, plan
 
 

@@ -46,7 +46,7 @@ def models(tiny_models, tmp_path_factory):
 class ScriptedDrafter:
     """Proposes the known greedy continuation (right) or something else (wrong): deterministic."""
 
-    name, has_model = "scripted", False
+    name, has_model, hidden_sink = "scripted", False, None
 
     def __init__(self, prompts, continuations, right: bool, vocab: int):
         self.script = {tuple(p): c for p, c in zip(prompts, continuations)}
@@ -210,7 +210,7 @@ def test_adaptive_k_follows_acceptance_and_costs():
     from macinfer.spec_decode.decoder import SpecDecoder
     from macinfer.spec_decode.step_cost import StepCost
 
-    spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=5)
+    spec = SpecDecoder(NgramDrafter(), num_speculative_tokens=5)
     assert spec.choose_k([0.9], [5]) == 0  # nothing measured yet: one plain step first
 
     def costs(a, b):
@@ -255,7 +255,7 @@ def test_adaptive_k_charges_declined_asks_their_draft_round_only():
     from macinfer.spec_decode.decoder import SpecDecoder
     from macinfer.spec_decode.step_cost import StepCost
 
-    spec = SpecDecoder(NgramDrafter(), block_pool=None, num_speculative_tokens=1)
+    spec = SpecDecoder(NgramDrafter(), num_speculative_tokens=1)
     spec.drafter.has_model, spec.drafter.round_s = True, 0.0045
     spec.step_cost = StepCost(prior_weight=0.0)
     for n in (1, 2, 1, 2, 3):
@@ -286,7 +286,7 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
             for s, k in zip(seqs, num_draft):
                 s.spec_token_ids = [7] * k
 
-    spec = SpecDecoder(Scripted(), block_pool=None, num_speculative_tokens=4)
+    spec = SpecDecoder(Scripted(), num_speculative_tokens=4)
     spec.step_cost = StepCost(prior_weight=0.0)
     for n in (1, 2, 1, 3):
         spec.step_cost.observe(n, 0.05 + 0.005 * n)

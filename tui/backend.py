@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load
     from macinfer.core.metrics import RequestMetrics
     from macinfer.core.outputs import StreamDelta
     from macinfer.core.sampling_params import SamplingParams
+    from macinfer.engine.protocol import Engine
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
 
@@ -54,7 +55,7 @@ class ChatBackend:
         self.engine_options = engine_options
         self.draft_when_on = engine_options.get("draft") or "ngram"  # what /spec on drafts with
         self.llm = None
-        self.engine = None  # macinfer.engine.LLMEngine
+        self.engine: Engine | None = None  # the paged LLMEngine or the mlx-lm DenseEngine
         self.info = None
         self.peak = None
 
@@ -91,12 +92,12 @@ class ChatBackend:
             peak_gbps=self.peak.gbps if self.peak else None,
             peak_source=self.peak.source if self.peak else None,
             prefix_cache=self.prefix_cache, speculation=self.speculation,
-            attention=getattr(self.engine, "attention_backend", "reference"), spec=self.spec,
+            attention=self.engine.attention_backend, spec=self.spec,
         )
 
     def close(self) -> None:
         if self.engine is not None:
-            for rid in list(self.engine.requests):
+            for rid in self.engine.request_ids():
                 self.engine.abort_request(rid)
         self.llm = self.engine = None
         gc.collect()
@@ -132,8 +133,7 @@ class ChatBackend:
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         """The engine's live metrics of a running request (its prefix hit is known once scheduled)."""
-        seq = self.engine.requests.get(request_id) if self.engine is not None else None
-        return seq.metrics if seq is not None else None
+        return self.engine.request_metrics(request_id) if self.engine is not None else None
 
     # -- what the engine can tell ------------------------------------------------------
     def peak_memory(self) -> int:
@@ -152,13 +152,12 @@ class ChatBackend:
     @property
     def prefix_cache(self) -> bool | None:
         """Prefix cache on/off; None if this engine has none."""
-        return getattr(getattr(self.engine, "config", None), "enable_prefix_cache", None)
+        return self.engine.features.prefix_cache if self.engine is not None else None
 
     @property
     def speculation(self) -> bool | None:
         """Speculative decoding on/off; None if this engine cannot speculate."""
-        config = getattr(self.engine, "config", None)
-        return None if config is None or not hasattr(config, "draft") else config.draft is not None
+        return self.engine.features.speculation if self.engine is not None else None
 
     def set_option(self, name: str, on: bool) -> str:
         """Toggle "prefix_cache" or "speculation" by rebuilding the engine on the loaded model.

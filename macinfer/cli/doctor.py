@@ -315,7 +315,7 @@ def check_decode(ctx):
     per_step = bandwidth.bytes_per_step(info, m.mean_kv_tokens)
     rate = m.decode_forward_rate
     util = bandwidth.utilisation(per_step, rate, peak) if rate else None
-    backend = getattr(llm.engine, "attention_backend", None)
+    backend = llm.engine.attention_backend
     figures = {"model": info.name, "quantization": info.quantization, "attention": backend,
                "prompt_tokens": m.prompt_tokens, "generation_tokens": m.generation_tokens, "ttft_s": m.ttft,
                "decode_tps": m.decode_tps, "bytes_per_decode_step": int(per_step),

@@ -102,6 +102,8 @@ class BlockPool:
         block_size: token slots per block.
         enable_caching: keep full blocks findable by hash (prefix caching).
         cache_root: the root of every hash chain (the model identity's hash).
+        store: the prefix cache's persistent tier (macinfer.prefix_cache.disk), or None.
+        on_evict: called with a block's hash when the block is evicted (state snapshots drop theirs).
 
     Example:
         >>> pool = BlockPool(num_blocks=5, block_size=4)   # 4 usable blocks
@@ -112,7 +114,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = False,
-                 cache_root: bytes = b""):
+                 cache_root: bytes = b"", store: PrefixStore | None = None, on_evict=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -131,9 +133,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.req_to_block_hashes: dict[str, list[bytes]] = {}  # the chain over a request's full blocks
         self.num_cached_block: dict[str, int] = {}  # leading blocks of a request already cached
-        self.store: PrefixStore | None = None  # the persistent tier, if any
+        self.store = store  # the persistent tier, if any
         # Called with a hash when its block is evicted (macinfer.core.state_snapshots drops its state).
-        self.on_evict = None
+        self.on_evict = on_evict
         self.stats = PrefixCacheStats()
 
     # -- low level --------------------------------------------------------------------

@@ -58,16 +58,28 @@ class ModelRunner:
         block_size: token slots per block.
         batch_decode: False if the model cannot take per-row rope offsets; decodes
             then run one row per forward.
+        kv_bits, kv_group_size: quantised K/V pools (macinfer.kv.quant), or None.
+        evaluator: where launched (pipelined) steps are evaluated (default: mx.async_eval).
+        attention_fn: paged attention for every layer (a kernel dispatch); None: the reference.
+        fill_masks: structured output: matchers -> int32 (B, W) token bitmasks (GrammarCompiler).
+        hidden_sink: reported each forward's final hidden states (a feature draft):
+            sink(seqs, starts, counts, hidden (B, L, D)).
+        verifier: verifies a forward holding drafted tokens (macinfer.spec_decode.decoder.verify_rows):
+            verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
+        compile_decode: launched decodes as compiled graphs (macinfer.core.decode_graph).
+        slot_of: models with state layers: seq -> its state slot (macinfer.core.state_pool.StatePool).
     """
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
-                 batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None):
+                 batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None, *,
+                 evaluator: StepEvaluator | None = None, attention_fn=None, fill_masks=None, hidden_sink=None,
+                 verifier=None, compile_decode: bool = False, slot_of=None):
         self.model = model
         self.block_size = block_size
-        self.evaluator = StepEvaluator(threaded=False)  # the engine's own replaces it (LLMEngine)
+        self.evaluator = evaluator or StepEvaluator(threaded=False)
         self.batch_decode = batch_decode
         self.pick_last_rows = norm_applied_once(model)  # prefill: the head on each row's last position only
-        self.ctx = ForwardContext()
+        self.ctx = ForwardContext(attention_fn=attention_fn)
         if kv_bits:
             from macinfer.kv.quant import QuantizedPagedKVCache
 
@@ -80,8 +92,7 @@ class ModelRunner:
         self.states = None
         self.pool_caches = self.caches  # every paged cache, flat (the prefix cache's disk tier reads them)
         if getattr(specs, "states", None):
-            self.states = StateStore(specs)
-            self.states.honours_lengths = honours_lengths(model)
+            self.states = StateStore(specs, slot_of, honours_lengths=honours_lengths(model))
             self.caches = self.states.model_caches(self.caches)
         elif getattr(specs, "layout", None):  # CacheLists of paged caches only (deepseek_v32's indexer)
             self.caches = layout_caches(specs.layout, self.caches)
@@ -89,24 +100,15 @@ class ModelRunner:
         if specs:  # a model without attention layers (mamba2) has no RoPE to share
             install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
-        # A feature draft (macinfer.spec_decode.feature_draft) reads every forward's final hidden states.
-        self.hidden_sink = None
-        self._body = self._head = None
-        self.decode_graph: DecodeGraph | None = None  # set by the engine where compiling pays (CPU backend)
+        self.hidden_sink = hidden_sink
+        self._body, self._head = split_head(model) if hidden_sink is not None else (None, None)
         # Arrays evaluated with each forward (see the NOTE in execute_model): the hidden states a feature
         # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
         self._with_forward: list[mx.array] = []
         self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
-        # Verifies a forward holding drafted tokens (set by macinfer.spec_decode.speculator):
-        # verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
-        self.verifier = None
-        # Structured output (set by the engine): fill_masks(matchers) -> int32 (B, W) token bitmasks.
-        self.fill_masks = None
-
-    def set_hidden_sink(self, sink) -> None:
-        """Report each forward's hidden states: sink(seqs, starts, counts, hidden (B, L, D))."""
-        self._body, self._head = split_head(self.model)
-        self.hidden_sink = sink
+        self.verifier = verifier
+        self.fill_masks = fill_masks
+        self.decode_graph = DecodeGraph(self) if compile_decode else None
 
     def _hidden(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
         """The final hidden states (B, L, D) of a forward, reported to the sink."""
@@ -327,6 +329,38 @@ class ModelRunner:
         rest = [j for j in range(len(rows)) if j not in own]
         return self.verifier([group[j] for j in rest], [rows[j] for j in rest], logits[mx.array(rest)])
 
+    def refeed_rejected(self, rows: list[ScheduledSequence], results: list[tuple[int, mx.array]],
+                        group: list[int]) -> int:
+        """Speculative decoding on a model with state layers: after a verify forward, rows that rejected
+        some of their drafts get the state of their accepted tokens only.
+
+        The verify forward ran every drafted token through the state layers, and a recurrent state cannot
+        be trimmed like K/V. So such a row's slot goes back to the state before the forward and one more
+        forward feeds the row's real token and its accepted drafts again (right-padded, per-row lengths):
+        it rewrites the K/V those positions already hold and leaves the state just past them. Rows that
+        accepted everything keep the verify forward's state. Costs a forward per step with a rejection,
+        which the adaptive K sees in its measured step times.
+
+        Args:
+            rows: the verify forward's ScheduledSequences.
+            results: (scheduled index, evaluated [num_accepted, tokens...]) of its sampling rows.
+            group: each row's scheduled index.
+
+        Returns:
+            How many rows were fed again.
+        """
+        accepted = {i: int(res[0].item()) for i, res in results}
+        redo = [ScheduledSequence(r.seq, r.num_new_tokens - r.num_spec_tokens + accepted[i], accepted[i])
+                for i, r in zip(group, rows)
+                if r.num_spec_tokens and accepted.get(i, r.num_spec_tokens) < r.num_spec_tokens]
+        if not redo:
+            return 0
+        self.states.rollback([r.seq for r in redo])
+        for sub in self._groups(redo):  # unpadded groups for models that ignore lengths
+            self.forward([redo[i] for i in sub])
+            mx.eval([c.state for c in self.caches])  # see execute_model's NOTE
+        return len(redo)
+
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:
         """Rows per forward: all 1-token rows together; chunks batched while padding stays small.
 
@@ -382,9 +416,7 @@ class ModelRunner:
                 mx.eval([v for _, v in verified] + [ids for _, ids in pending] + [c.state for c in self.caches]
                         + self._take_with_forward() + self.logprob_rows.arrays())  # the NOTE below
                 if self.states is not None:  # recurrent states must not keep rejected drafts
-                    from macinfer.core.state_pool import refeed_rejected
-
-                    refeed_rejected(self, rows, new, group)
+                    self.refeed_rejected(rows, new, group)
                 continue
             logits = self._masked(rows, self.forward(rows))  # (B, V)
             greedy = [j for j, r in enumerate(rows)

@@ -17,6 +17,11 @@ catching up with `num_tokens`, and each step hands out at most
 A sequence whose KV could not fit even in an empty pool finishes with
 "length" instead of cycling through preemption forever.
 
+The scheduler is the one writer of what a sequence has computed and holds: `schedule` hands out
+tokens and blocks, `update_from_output` counts what the step computed, appends the sampled
+tokens (macinfer.core.stop_checker) and frees the sequences they finish. The pipelined decode
+step does the same through its subclass (macinfer.core.async_scheduler).
+
 Forks (n > 1 samples of one prompt): a sequence with `fork_of` waits until its parent
 has computed the prompt's full blocks, then starts from them (ref_cnt + 1 each, as a
 prefix hit) and computes only the prompt's last, partial block itself:
@@ -31,11 +36,13 @@ the parent's later steps (a parent preempted mid-prefill would leave them unwrit
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.core.sequence import Sequence, SequenceStatus
+from macinfer.core.stop_checker import StopChecker
 
 
 @dataclass
@@ -45,10 +52,13 @@ class SchedulerConfig:
     Args:
         max_num_seqs: sequences running at once (rows of a decode batch).
         max_num_batched_tokens: tokens computed per step (decodes + prefill chunks).
+        batch_decode: whether decodes share one forward (False: the model cannot take per-row
+            offsets; macinfer.core.async_scheduler then pipelines a lone sequence only).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    batch_decode: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -88,11 +98,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler over a BlockPool."""
+    """FCFS continuous-batching scheduler over a BlockPool.
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
+    Args:
+        config: the scheduling limits.
+        block_pool: the KV blocks it hands out.
+        stop_checker: appends each sampled token and says which one ends a request (default: no EOS ids).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, stop_checker: StopChecker | None = None):
         self.config = config
         self.block_pool = block_pool
+        self.stop_checker = stop_checker or StopChecker(())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # NOTE: admission order; running[-1] is the newest.
         self.num_preemptions = 0
@@ -119,7 +136,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._admit_waiting(out, budget)
+        self._stamp_scheduled([s.seq for s in out.scheduled])
         return out
+
+    @staticmethod
+    def _stamp_scheduled(seqs: list[Sequence]) -> None:
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running: decodes, then prefill chunks; preempt the newest on block shortage. Returns the budget left."""
@@ -226,25 +251,65 @@ class Scheduler:
     def _admitted(self, seq: Sequence) -> None:
         """seq got its blocks and starts at num_computed_tokens."""
 
-    def update_from_output(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens' K/V are now in the cache.
+    def _computed(self, seqs: list[Sequence]) -> None:
+        """seqs' new num_computed_tokens are where their K/V (and state) now stand."""
 
-        NOTE: drafted tokens are not counted: their K/V is in the cache too, but only
-        those the target accepted become tokens (SpecDecoder.update_from_output counts
-        them once the engine has appended them; the rejected ones are overwritten).
+    def update_from_output(self, out: SchedulerOutput, sampled: list) -> list[Sequence]:
+        """The step ran: count what it computed, append its tokens, end the sequences they stop.
+
+        Args:
+            out: the step's schedule.
+            sampled: per scheduled row, what the runner sampled: None (mid-prefill), a token, or
+                (a row with drafts) the accepted drafts then the target's own token.
+
+        Returns:
+            The sequences that got tokens or finished, each once, in schedule order (the step's
+            capacity finishes, out.finished, first).
+
+        NOTE: a row that verified k drafts and accepted a of them has a + 1 new tokens, the last
+        one without K/V yet. Its drafts' K/V was written too; the accepted ones count as computed
+        once they are tokens, and blocks past the sequence's tokens (holding only rejected drafts)
+        are freed:
+
+            before    tokens [.. t]           computed [.. ]            + k drafts written
+            after     tokens [.. t d0 d1 x]   computed [.. t d0 d1]     (a = 2, x: the target's)
         """
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.block_pool.cache_full_blocks(s.seq)  # full, computed blocks become reusable
+        self._computed([s.seq for s in out.scheduled if not s.num_spec_tokens])
+        moved = list(out.finished)
+        for s, toks in zip(out.scheduled, sampled):
+            if toks is not None:
+                self.append_tokens(s.seq, toks if isinstance(toks, list) else [toks])
+                moved.append(s.seq)
+        verified = []
+        for s, toks in zip(out.scheduled, sampled):
+            if s.num_spec_tokens and not s.seq.is_finished:
+                s.seq.num_computed_tokens += len(toks) - 1
+                self.block_pool.trim(s.seq, s.seq.num_tokens)
+                verified.append(s.seq)
+        self._computed(verified)
+        return moved
+
+    def append_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append seq's sampled tokens in order, up to the first that ends it (which finishes it)."""
+        for tok in tokens:
+            status = self.stop_checker.append(seq, tok)
+            if status is not None:
+                self.finish(seq, status)
+                return
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End seq (stop, length or abort) and free its blocks at once."""
+        """End seq (stop, length or abort) and free its blocks at once (its cached ones stay findable,
+        and go to the prefix cache's disk tier if there is one)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_pool.free(seq)
         seq.status = status
+        self.block_pool.persist(seq.token_ids)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from macinfer.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from macinfer.core.scheduler import Scheduler, SchedulerConfig
 from macinfer.core.sequence import Sequence, SequenceStatus
+from macinfer.core.stop_checker import StopChecker
 
 
 class StatePool:
@@ -25,7 +26,6 @@ class StatePool:
     Args:
         num_slots: usable slots (max_num_seqs).
         bytes_per_slot: the state of one sequence, every state layer together.
-        release: called with a slot when its state is dropped (StateStore.release).
 
     Example:
         >>> pool = StatePool(2, 1024)
@@ -33,12 +33,11 @@ class StatePool:
         (2, 2048)
     """
 
-    def __init__(self, num_slots: int, bytes_per_slot: int, release=None):
+    def __init__(self, num_slots: int, bytes_per_slot: int):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.bytes_per_slot = bytes_per_slot
-        self.release = release
         self.free_slots: deque[int] = deque(range(1, num_slots + 1))
         self.req_to_slot: dict[str, int] = {}
 
@@ -51,19 +50,15 @@ class StatePool:
         if not self.free_slots:
             raise RuntimeError(f"no free state slot for {seq.request_id!r}: more running sequences than max_num_seqs")
         slot = self.free_slots.popleft()
-        if self.release is not None:
-            self.release(slot)  # nothing left of a former holder
         self.req_to_slot[seq.request_id] = slot
         return slot
 
-    def free(self, seq: Sequence) -> None:
-        """Give seq's slot back (no-op without one); its state is gone."""
+    def free(self, seq: Sequence) -> int | None:
+        """Give seq's slot back; returns it (None: seq had none)."""
         slot = self.req_to_slot.pop(seq.request_id, None)
-        if slot is None:
-            return
-        if self.release is not None:
-            self.release(slot)
-        self.free_slots.append(slot)
+        if slot is not None:
+            self.free_slots.append(slot)
+        return slot
 
     def slot_of(self, seq: Sequence) -> int:
         return self.req_to_slot[seq.request_id]
@@ -99,15 +94,21 @@ class StateScheduler(Scheduler):
     the prefix cache on, state snapshots at block boundaries (macinfer.core.state_snapshots).
 
     Args:
-        states: the runner's StateStore (snapshots copy and restore its slots).
+        state_pool: the slots (one per running sequence).
+        states: the runner's StateStore: a slot's state is dropped when the slot changes hands, and
+            snapshots copy and restore slots.
         snapshots: the StateSnapshots, or None when the prefix cache is off.
+        launch: how snapshot copies taken beside a launched (pipelined) step are queued
+            (StepEvaluator.launch); a synchronous step's are evaluated at once.
     """
 
-    def __init__(self, config: SchedulerConfig, block_pool, state_pool: StatePool, states=None, snapshots=None):
-        super().__init__(config, block_pool)
+    def __init__(self, config: SchedulerConfig, block_pool, stop_checker: StopChecker | None, state_pool: StatePool,
+                 states, snapshots=None, launch: Callable[[list], object] | None = None):
+        super().__init__(config, block_pool, stop_checker)
         self.state_pool = state_pool
         self.states = states
         self.snapshots = snapshots
+        self._launch = launch
         self._targets: dict[str, list[int]] = {}  # request id -> positions to snapshot at (chunks end there)
         self._full_hit: dict[str, int] = {}  # request id -> tokens its cached blocks covered at admission
         self._spare: dict[str, set[int]] = {}  # request id -> the targets that are guesses (StateSnapshots.put)
@@ -151,6 +152,7 @@ class StateScheduler(Scheduler):
     def _admitted(self, seq: Sequence) -> None:
         """A slot for seq (fresh, or again after a preemption), restored from the snapshot its hit ends on."""
         slot = self.state_pool.allocate(seq)
+        self.states.release(slot)  # nothing left of a former holder
         computed = seq.num_computed_tokens
         if computed:
             h = self.block_pool.req_to_block_hashes[seq.request_id][computed // self.block_pool.block_size - 1]
@@ -158,13 +160,16 @@ class StateScheduler(Scheduler):
         if self._caching and self._full_hit.pop(seq.request_id, 0) > computed:
             self.snapshots.stats.shortened += 1
 
-    def take_snapshots(self, seqs: list[Sequence], launch: Callable[[list], object] | None = None) -> int:
+    def _computed(self, seqs: list[Sequence]) -> None:
+        self.take_snapshots(seqs)
+
+    def take_snapshots(self, seqs: list[Sequence], launched: bool = False) -> int:
         """After a forward: copy the state of each seq that stands at a block boundary worth keeping.
 
         At one of its targets, the copy is stored under the hash of the block ending there; past its
         prompt, it becomes the sequence's pending snapshot (stored when it finishes). Each seq's
-        num_computed_tokens must be where its slot's state is. launch: queue the copies with it
-        (a pipelined step in flight: StepEvaluator.launch) instead of evaluating them now.
+        num_computed_tokens must be where its slot's state is. launched: the forward is a launched
+        step's, still computing: the copies are queued behind it (`launch`) instead of evaluated now.
 
         Returns:
             How many copies were made.
@@ -190,7 +195,7 @@ class StateScheduler(Scheduler):
                 if arrays is not None and snaps.put_pending(seq.request_id, pos, arrays):
                     copies.append(arrays)
         if copies:
-            (launch or mx.eval)(copies)
+            (self._launch if launched else mx.eval)(copies)
         return len(copies)
 
     def _promote(self, seq: Sequence) -> None:
@@ -220,61 +225,16 @@ class StateScheduler(Scheduler):
     def _preempt(self, seq: Sequence) -> None:
         self._promote(seq)  # its readmission can start there
         super()._preempt(seq)
-        self.state_pool.free(seq)  # recomputed from the last snapshot, or from scratch, like its blocks
+        self._free_slot(seq)  # recomputed from the last snapshot, or from scratch, like its blocks
         self._forget(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self._promote(seq)
         super().finish(seq, status)
-        self.state_pool.free(seq)
+        self._free_slot(seq)
         self._forget(seq)
 
-
-def refeed_rejected(runner, rows: list[ScheduledSequence], results: list[tuple[int, mx.array]], group: list[int]) -> int:
-    """Speculative decoding on a model with state layers: after a verify forward, rows that rejected
-    some of their drafts get the state of their accepted tokens only.
-
-    The verify forward ran every drafted token through the state layers, and a recurrent state cannot
-    be trimmed like K/V. So such a row's slot goes back to the state before the forward and one more
-    forward feeds the row's real token and its accepted drafts again (right-padded, per-row lengths):
-    it rewrites the K/V those positions already hold and leaves the state just past them. Rows that
-    accepted everything keep the verify forward's state. Costs a forward per step with a rejection,
-    which the adaptive K sees in its measured step times.
-
-    Args:
-        runner: the target's ModelRunner (runner.states set).
-        rows: the verify forward's ScheduledSequences.
-        results: (scheduled index, evaluated [num_accepted, tokens...]) of its sampling rows.
-        group: each row's scheduled index.
-
-    Returns:
-        How many rows were fed again.
-    """
-    accepted = {i: int(res[0].item()) for i, res in results}
-    redo = [ScheduledSequence(r.seq, r.num_new_tokens - r.num_spec_tokens + accepted[i], accepted[i])
-            for i, r in zip(group, rows) if r.num_spec_tokens and accepted.get(i, r.num_spec_tokens) < r.num_spec_tokens]
-    if not redo:
-        return 0
-    runner.states.rollback([r.seq for r in redo])
-    for sub in runner._groups(redo):  # unpadded groups for models that ignore lengths
-        runner.forward([redo[i] for i in sub])
-        mx.eval([c.state for c in runner.caches])  # see ModelRunner.execute_model's NOTE
-    return len(redo)
-
-
-def check_drafter(drafter, runner, model_type: str) -> None:
-    """Refuse the drafts that cannot run exactly with state layers (one MacinferError line).
-
-    A feature draft reads the target's hidden states of every forward, and refeed_rejected's extra
-    forward would report some positions twice; a draft model with state layers would need slots of
-    its own. Drafting by lookup, or with an attention-only draft model, is exact.
-    """
-    from macinfer.errors import MacinferError
-
-    if runner.states is not None and runner.hidden_sink is not None:
-        raise MacinferError(f"{model_type}: a feature draft is not supported for models with recurrent state "
-                            "layers yet; use --draft ngram or a draft model")
-    for d in (drafter, getattr(drafter, "model", None)):
-        if getattr(getattr(d, "runner", None), "states", None) is not None:
-            raise MacinferError(f"{getattr(d, 'name', 'the draft')}: draft models with recurrent state layers are "
-                                "not supported yet; use --draft ngram or an attention-only draft")
+    def _free_slot(self, seq: Sequence) -> None:
+        slot = self.state_pool.free(seq)
+        if slot is not None:
+            self.states.release(slot)

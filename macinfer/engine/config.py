@@ -1,18 +1,16 @@
-"""Engine options, how the KV budget is spent (plan_memory), and turning on the prefix cache for an engine."""
+"""Engine options, how the KV budget is spent (plan_memory), and the prefix cache's disk tier for an engine."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from macinfer.prefix_cache.disk import DiskPrefixStore
-from macinfer.prefix_cache.keys import model_identity
 from macinfer.errors import MacinferError
 from macinfer.kv.quant import quantized_bytes_per_token
-from macinfer.paths import cache_dir
+from macinfer.prefix_cache.dirs import label_prefix_dir, prefix_root
+from macinfer.prefix_cache.disk import DiskPrefixStore
 from macinfer.units import fmt_bytes, parse_bytes
 
 
@@ -165,31 +163,24 @@ def default_kv_memory(weight_bytes: int, device: dict | None = None) -> int:
     return max(256 << 20, room)
 
 
-def setup_prefix_cache(engine, config, persist: bool = True) -> str | None:
-    """Turn on prefix caching in engine's BlockPool (and its persistent tier) per config.
+def prefix_store(config: EngineConfig, model_id: str, pool_caches: list, block_size: int, sync,
+                 name: str | None = None, path: str | None = None) -> DiskPrefixStore | None:
+    """The prefix cache's disk tier for an engine per config (persist_prefix_cache), or None.
 
-    persist=False keeps the persistent tier off whatever config says.
+    NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
 
-    Returns:
-        The model identity, or None when the prefix cache is off.
+    Args:
+        sync: called before the store reads the pools (StepEvaluator.drain).
+        name, path: the model's, for the directory's label (`macinfer cache`).
     """
-    if not config.enable_prefix_cache:
+    if not config.persist_prefix_cache or config.kv_bits:
         return None
-    model_id = model_identity(engine.model, engine.info, engine.specs, engine.block_size)
-    pool = engine.block_pool
-    pool.enable_caching = True
-    pool.cache_root = bytes.fromhex(model_id)
-    # NOTE: the disk tier stores float K/V rows; quantised pools (kv_bits) stay in memory only.
-    if persist and config.persist_prefix_cache and not getattr(config, "kv_bits", None):
-        root = Path(config.prefix_cache_dir or os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix")
-        root = root.expanduser()
-        pool.store = DiskPrefixStore(root / model_id, model_id, engine.runner.pool_caches, engine.block_size,
-                                     parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"))
-        from macinfer.prefix_cache.dirs import label_prefix_dir  # `macinfer cache` names the directory
-
-        if engine.info is not None:
-            label_prefix_dir(root, model_id, engine.info.name, engine.info.path)
-    return model_id
+    root = Path(config.prefix_cache_dir).expanduser() if config.prefix_cache_dir else prefix_root()
+    store = DiskPrefixStore(root / model_id, model_id, pool_caches, block_size,
+                            parse_bytes(config.prefix_cache_disk_bytes, "the prefix cache's disk budget"), sync=sync)
+    if name is not None:
+        label_prefix_dir(root, model_id, name, path)
+    return store
 
 
 @dataclass

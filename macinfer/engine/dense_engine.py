@@ -11,11 +11,11 @@ cache per request, the way `mlx_lm.server` runs it:
         for delta in engine.step():           # StreamDelta per request that moved
             print(delta.text, end="")          # delta.output is set on the last one
 
-What is the same as LLMEngine: add_request / abort_request / step / has_unfinished /
-describe / kv_stats / requests / tokenizer; stop tokens, EOS, stop strings, max_tokens,
-streamed text and the final RequestOutput with its metrics come from LLMEngine's own
-code (`_process_token`, `_finish`, ... are LLMEngine's functions, bound here), so both
-engines stop and stream identically. Greedy rows are sampled in one batched argmax;
+What is the same as LLMEngine: the Engine protocol (macinfer.engine.protocol); stop tokens,
+EOS, stop strings, max_tokens, streamed text and the final RequestOutput with its metrics come
+from the same StopChecker (macinfer.core.stop_checker) and OutputProcessor
+(macinfer.engine.output_processor), so both engines stop and stream identically. Greedy rows are
+sampled in one batched argmax;
 a sampled row gets its own macinfer Sampler (its request's RNG key, seeded or not),
 so a seeded request is reproducible whatever else is batched.
 
@@ -43,11 +43,15 @@ import time
 from dataclasses import dataclass
 
 from macinfer.core.logprobs import from_vector
+from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sequence import Sequence, SequenceStatus
+from macinfer.core.stop_checker import StopChecker
 from macinfer.engine.config import EngineConfig
-from macinfer.engine.llm_engine import LLMEngine
+from macinfer.engine.llm_engine import new_sequence
+from macinfer.engine.output_processor import OutputProcessor
+from macinfer.engine.protocol import EngineFeatures
 from macinfer.errors import MacinferError
 
 # Options that only mean something to the paged engine, and the feature each belongs to.
@@ -95,10 +99,14 @@ def batchable(model, model_type: str = "?") -> bool:
 
 
 class _DenseRequests:
-    """The requests DenseEngine tracks, and their BatchGenerator uids (the engine's 'scheduler')."""
+    """The requests DenseEngine tracks, and their BatchGenerator uids (the engine's scheduler).
 
-    def __init__(self, gen):
+    It is the one writer of its sequences' statuses and computed tokens, as the paged Scheduler is.
+    """
+
+    def __init__(self, gen, stop_checker: StopChecker):
         self.gen = gen
+        self.stop_checker = stop_checker
         self.waiting: list[Sequence] = []   # inserted, prompt not started
         self.running: list[Sequence] = []   # prefilling or decoding
         self.by_uid: dict[int, Sequence] = {}
@@ -112,14 +120,28 @@ class _DenseRequests:
         self.by_uid[uid], self.uid_of[seq.request_id] = seq, uid
         self.waiting.append(seq)
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, now: float) -> None:
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
         if seq in self.waiting:
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
 
+    def update(self, seq: Sequence, token: int, length_done: bool) -> None:
+        """seq sampled token: the cache holds every token before it; append it (checking stops).
+
+        length_done: the generator has no more tokens for seq (its own max_tokens).
+        """
+        seq.num_computed_tokens = seq.num_tokens
+        status = self.stop_checker.append(seq, token)
+        if status is None and length_done:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish(seq, status)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End seq (LLMEngine._process_token calls this on a stop): drop it from the generator."""
+        """End seq: drop it from the generator."""
         seq.status = status
         uid = self.uid_of.pop(seq.request_id, None)
         if uid is not None:
@@ -133,14 +155,8 @@ class _DenseRequests:
         return bool(self.waiting or self.running)
 
 
-class _NoBlocks:
-    """Dense caches: no persistent tier to write to when a request finishes (LLMEngine._finish reads this)."""
-
-    store = None
-
-
 class DenseEngine:
-    """mlx-lm's BatchGenerator (dense caches, continuous batching) behind LLMEngine's API.
+    """mlx-lm's BatchGenerator (dense caches, continuous batching) behind the Engine protocol.
 
     Args:
         model: an mlx-lm model.
@@ -148,6 +164,7 @@ class DenseEngine:
         info: macinfer.modelio.loader.ModelInfo, or None.
         serial: serve one request at a time (macinfer.llm sets it for a model whose attention
             the paged engine could not see: macinfer.kv.model_probe.UnseenAttention).
+        fallback_reason: why the paged engine refused the model (macinfer.llm), or None.
         **options: EngineConfig fields; only max_num_seqs, max_num_batched_tokens (the
             prefill chunk), max_model_len and verbose are used (module docstring).
 
@@ -155,26 +172,18 @@ class DenseEngine:
         MacinferError: BatchGenerator cannot batch the model's caches either.
     """
 
-    paged = False
     attention_backend = "mlx-lm"
     spec = None
-    fallback_reason: str | None = None  # why the paged engine refused the model (set by macinfer.llm)
+    features = EngineFeatures(paged=False, prefix_cache=None, speculation=None, structured_output=False)
 
-    # LLMEngine's stop / streaming / output code, shared rather than copied. It reads
-    # self.requests, self.eos_token_ids, self.scheduler.finish(seq, status) and
-    # self.block_pool.store, which this class provides.
-    _process_token = LLMEngine._process_token
-    _truncate_at_stop = staticmethod(LLMEngine._truncate_at_stop)
-    _delta = LLMEngine._delta
-    _finish = LLMEngine._finish
-    _new_sequence = LLMEngine._new_sequence
-
-    def __init__(self, model, tokenizer, info=None, serial: bool = False, **options):
+    def __init__(self, model, tokenizer, info=None, serial: bool = False, fallback_reason: str | None = None,
+                 **options):
         from mlx_lm.generate import BatchGenerator
 
         full = EngineConfig(**options)  # same validation (and TypeError on unknown options) as LLMEngine
         self.model, self.tokenizer, self.info = model, tokenizer, info
         self.model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
+        self.fallback_reason = fallback_reason
         # NOTE: mlx-lm prefills prompts that join together as one right-padded batch; with a
         # recurrent state (ArraysCache: SSM, RWKV, linear attention) the padding leaks into the
         # state (BatchGenerator alone then differs from generate_step: rwkv7, mamba, ... in
@@ -187,16 +196,14 @@ class DenseEngine:
         self.serial = serial
         rows = 1 if serial else full.max_num_seqs
         self.config = DenseConfig(rows, full.max_num_batched_tokens, full.max_model_len, full.verbose)
+        self.max_num_seqs = rows
         self.max_model_len = full.max_model_len or (info.context_length if info is not None else
                                                     getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
         self.gen = BatchGenerator(model, max_tokens=256, completion_batch_size=rows,
                                   prefill_batch_size=min(8, rows) if plain_kv else 1,
                                   prefill_step_size=full.max_num_batched_tokens)
-        self.scheduler = _DenseRequests(self.gen)
-        self.block_pool = _NoBlocks()
-        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        self.requests: dict[str, Sequence] = {}
-        self._pending: list[StreamDelta] = []  # aborted outputs not yet returned
+        self.scheduler = _DenseRequests(self.gen, StopChecker(getattr(tokenizer, "eos_token_ids", None)))
+        self.output = OutputProcessor()
         if full.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -220,7 +227,23 @@ class DenseEngine:
             "running": len(running), "waiting": len(self.scheduler.waiting),
         }
 
+    def prepare(self) -> None:
+        """Nothing to build ahead: no structured output here."""
+
+    def release_thread(self) -> None:
+        """Nothing kept per thread beyond what mlx-lm's generator frees itself."""
+
     # -- requests -----------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        return self.output.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.output.requests)
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        return self.output.metrics(request_id)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     fork_of: str | None = None) -> str:
@@ -229,21 +252,21 @@ class DenseEngine:
         if params is not None and params.structured is not None:
             raise MacinferError(f"structured output needs the paged engine; {self.model_type} runs on mlx-lm's "
                                 "fallback engine, which cannot constrain sampling")
-        seq = self._new_sequence(prompt, params, request_id, arrival_time)
-        self.requests[seq.request_id] = seq
+        seq = new_sequence(self, prompt, params, request_id, arrival_time)
+        self.output.add(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its final delta comes with the next step()."""
-        seq = self.requests.get(request_id)
+        seq = self.output.get(request_id)
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._pending.append(self._finish(seq))
+        self.output.aborted(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or self.output.has_pending
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
@@ -252,7 +275,7 @@ class DenseEngine:
         Returns:
             A StreamDelta for every request that produced text or finished.
         """
-        deltas, self._pending = self._pending, []
+        deltas = self.output.take_pending()
         if not self.scheduler.has_unfinished():
             return deltas
         t0 = time.perf_counter()
@@ -261,24 +284,18 @@ class DenseEngine:
         for r in prompt_resps:
             seq = by_uid.get(r.uid)
             if seq is not None:
-                if seq.metrics.first_scheduled_time is None:
-                    seq.metrics.first_scheduled_time = t0
-                self.scheduler.start(seq)
+                self.scheduler.start(seq, t0)
+        moved = []
         for r in gen_resps:
             seq = by_uid.get(r.uid)
             if seq is None or seq.is_finished:
                 continue  # stopped (or aborted) by us a step ago: the generator's extra row
-            self.scheduler.start(seq)
-            seq.num_computed_tokens = seq.num_tokens  # the cache holds every token before this one
+            self.scheduler.start(seq, t0)
             if seq.logprobs is not None:  # BatchGenerator's logprobs are mlx-lm's: after the processors
                 seq.pending_logprob = from_vector(r.logprobs, int(r.token), seq.params.logprobs)
-            delta = self._process_token(seq, int(r.token))
-            if delta is not None:
-                deltas.append(delta)
-            if r.finish_reason is not None and not seq.is_finished:  # the generator's own length limit
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                deltas.append(self._finish(seq))
-        return deltas
+            self.scheduler.update(seq, int(r.token), length_done=r.finish_reason is not None)
+            moved.append(seq)
+        return deltas + self.output.deltas(moved)
 
     def close(self) -> None:
         self.gen.close()

@@ -6,12 +6,19 @@
         for delta in engine.step():          # StreamDelta per request that moved
             print(delta.text, end="")         # delta.output is set on the last one
 
-A step is: schedule -> run the model -> append tokens, check stops -> free the
-finished (nano-vllm's shape). The engine is single-threaded: one thread owns it
-and calls step(); other threads hand it requests through that thread.
+A step is schedule -> run -> update -> output (nano-vllm's and vLLM's shape): the scheduler
+picks the rows (macinfer.core.scheduler), the runner computes and samples them
+(macinfer.core.model_runner), the scheduler appends the tokens, stops what they end and frees it
+(`update_from_output`), and the output processor streams the deltas
+(macinfer.engine.output_processor). With a drafter, drafts are proposed before scheduling and
+acceptance recorded after. The engine is single-threaded: one thread owns it and calls step();
+other threads hand it requests through that thread.
 
-Async scheduling (macinfer.engine.pipeline): while every running sequence is plainly
-decoding, step n+1 is queued before step n's tokens are read back.
+Async scheduling (macinfer.engine.pipeline, macinfer.core.async_scheduler): while every running
+sequence is plainly decoding, step n+1 is queued before step n's tokens are read back.
+
+Everything the engine uses is built in `__init__`, in dependency order, and handed to what uses
+it: nothing is attached afterwards.
 
 KV budget: `kv_memory` (bytes, or "2GB" = 2e9 / "2GiB" = 2**30: macinfer.units) sets the pool size. By
 default, on a Mac: the recommended Metal working set minus the weights minus a
@@ -28,37 +35,45 @@ import contextlib
 import sys
 import time
 import uuid
-from functools import partial
 
 import mlx.core as mx
 
+from macinfer.core.async_scheduler import AsyncScheduler, AsyncStateScheduler
 from macinfer.core.block_pool import BlockPool
-from macinfer.core.decode_graph import DecodeGraph, pays_off as decode_graph_pays_off
+from macinfer.core.decode_graph import pays_off as decode_graph_pays_off
 from macinfer.core.evaluator import StepEvaluator, threads_pay_off
-from macinfer.core.grammar import GrammarCompiler, advance
-from macinfer.errors import MacinferError
-from macinfer.units import fmt_bytes
+from macinfer.core.grammar import GrammarCompiler
+from macinfer.core.metrics import RequestMetrics
 from macinfer.core.model_runner import ModelRunner
-from macinfer.core.outputs import RequestOutput, StreamDelta
-from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
-from macinfer.prefix_cache.keys import prefix_cache_stats
-from macinfer.engine.distributed import LeaderRunner, check_model
-from macinfer.engine.config import EngineConfig, plan_memory, setup_prefix_cache, wire_memory
-from macinfer.engine.pipeline import InFlight, PipelinedSteps
+from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.scheduler import Scheduler, SchedulerConfig
-from macinfer.core.sequence import Sequence, SequenceStatus
-from macinfer.core.state_pool import StatePool, StateScheduler, check_drafter
+from macinfer.core.sequence import Sequence
+from macinfer.core.state_pool import StatePool, StateScheduler
 from macinfer.core.state_snapshots import StateSnapshots
-from macinfer.spec_decode.speculator import make_spec_decoder
+from macinfer.core.stop_checker import StopChecker
+from macinfer.engine.config import EngineConfig, plan_memory, prefix_store, wire_memory
+from macinfer.engine.distributed import LeaderRunner, check_model
+from macinfer.engine.output_processor import OutputProcessor
+from macinfer.engine.pipeline import Pipeline
+from macinfer.engine.protocol import EngineFeatures
+from macinfer.errors import MacinferError
+from macinfer.kv.kernel_dispatch import select_attention
+from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
+from macinfer.kv.paged_attention import paged_attention
+from macinfer.prefix_cache.keys import model_identity, prefix_cache_stats
+from macinfer.spec_decode.decoder import verify_rows
+from macinfer.spec_decode.speculator import check_exact, make_spec_decoder
+from macinfer.units import fmt_bytes
 
-class LLMEngine(PipelinedSteps):
-    """Continuous-batching engine over a paged KV cache.
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (macinfer.engine.protocol.Engine).
 
     Args:
         model: an mlx-lm model.
         tokenizer: mlx-lm's TokenizerWrapper (for EOS ids and streaming text).
-        info: macinfer.loader.ModelInfo, or None (context length then comes from
+        info: macinfer.modelio.loader.ModelInfo, or None (context length then comes from
             max_model_len or the model's config).
         ranks: macinfer.engine.distributed.Ranks when the model is split across processes
             (the leader's runner sends each forward's plan; a follower's only runs them), else None.
@@ -74,68 +89,77 @@ class LLMEngine(PipelinedSteps):
             check_model(ranks, self.specs, model_type)
         self.max_model_len = config.max_model_len or (info.context_length if info is not None else
                                                       getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
+        self.max_num_seqs = config.max_num_seqs
 
-        # KV capacity: budget -> blocks (block 0 is the null block), state slots and snapshots.
+        # 1. KV capacity: budget -> blocks (block 0 is the null block), state slots and snapshots.
         self.block_size = bs = config.block_size
         plan = plan_memory(config, self.specs, self.max_model_len, getattr(info, "weight_bytes", 0), model_type)
         self.bytes_per_token, self.bytes_per_block = plan.bytes_per_token, plan.bytes_per_block
         self.state_bytes, self.snapshot_bytes, self.kv_budget = plan.state_bytes, plan.snapshot_bytes, plan.kv_budget
         num_blocks = plan.num_blocks if ranks is None else ranks.agree_min(plan.num_blocks)  # each rank's pools fit
-        states = getattr(self.specs, "states", None)
-        snapshots = bool(states) and config.enable_prefix_cache
+        states = bool(getattr(self.specs, "states", None))
         wire_memory()
-        self.block_pool = BlockPool(num_blocks, bs)
-        runner = ModelRunner if ranks is None or not ranks.is_leader else partial(LeaderRunner, ranks=ranks)
-        self.runner = runner(model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
-                             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-        # The CPU-backend defaults below hold for one process and a forward built lazily (read from source once).
-        cpu_lazy = ranks is None and threads_pay_off() and not forward_evaluates(model)
-        self.runner.evaluator = _evaluator(config, cpu_lazy)
-        if _compiles_decode(config, ranks, model, cpu_lazy, self.runner.evaluator.threaded):
-            self.runner.decode_graph = DecodeGraph(self.runner)
-        self.scheduler = self._make_scheduler(states, snapshots)
-        from macinfer.kv.kernel_dispatch import select_attention
-        from macinfer.kv.paged_attention import paged_attention
 
-        fn, self.attention_backend = select_attention(config.attention, paged_attention,
-                                                      head_dim=self.specs[0].k_head_dim if self.specs else 0,
-                                                      block_size=bs) if self.specs else (None, "none")
-        if self.attention_backend != "reference":
-            self.runner.ctx.attention_fn = fn
-        # NOTE: models with recurrent state layers use a cached block only with a snapshot of the state
-        # after it (macinfer.core.state_snapshots), and those stay in memory: no disk tier for them.
-        self.model_id = setup_prefix_cache(self, config, persist=not states)  # None when off
-        if self.snapshots is not None:
-            self.block_pool.on_evict = self.snapshots.drop  # a snapshot lives as long as its block's hash
-        self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs,
-                                      self.block_pool, self.runner)  # None: no draft
-        if self.spec is not None:
-            # Models with state layers verify drafts exactly: a row that rejects some gets its state back
-            # and its accepted tokens fed again (macinfer.core.state_pool.refeed_rejected).
-            check_drafter(self.spec.drafter, self.runner, model_type)
+        # 2. What the runner uses: where launched steps run, attention, grammars, the drafter, state slots.
+        cpu_lazy = ranks is None and threads_pay_off() and not forward_evaluates(model)  # one process, lazy forward
+        evaluator = _evaluator(config, cpu_lazy)
+        attention_fn, self.attention_backend = (
+            select_attention(config.attention, paged_attention, head_dim=self.specs[0].k_head_dim, block_size=bs)
+            if self.specs else (None, "none"))
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        self.grammars = GrammarCompiler(getattr(tokenizer, "_tokenizer", tokenizer), _logits_width(model, tokenizer),
+        self.grammars = GrammarCompiler(_hf_tokenizer(tokenizer), _logits_width(model, tokenizer),
                                         list(self.eos_token_ids))
-        self.runner.fill_masks = self.grammars.fill_masks
-        self.requests: dict[str, Sequence] = {}
-        self._pending: list[StreamDelta] = []  # aborted/failed outputs not yet returned
-        self._inflight: InFlight | None = None  # a launched decode step not yet read back
-        self._last_resolve: float | None = None  # when the previous queued step was read back
+        self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs)
+        if self.spec is not None:
+            check_exact(self.spec.drafter, states, model_type)
+        self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot) if states else None
+
+        # 3. The runner: the KV pools and the model's forwards.
+        runner_cls = ModelRunner if ranks is None or not ranks.is_leader else LeaderRunner
+        self.runner = runner_cls(
+            model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
+            kv_bits=config.kv_bits, kv_group_size=config.kv_group_size, evaluator=evaluator,
+            attention_fn=attention_fn if self.attention_backend != "reference" else None,
+            fill_masks=self.grammars.fill_masks, hidden_sink=self.spec.drafter.hidden_sink if self.spec else None,
+            verifier=verify_rows if self.spec else None,
+            compile_decode=_compiles_decode(config, ranks, model, cpu_lazy, evaluator.threaded),
+            slot_of=self.state_pool.slot_of if states else None,
+            **({"ranks": ranks} if runner_cls is LeaderRunner else {}))
+
+        # 4. The block pool and its prefix cache. NOTE: models with recurrent state layers use a cached
+        # block only with a snapshot of the state after it (macinfer.core.state_snapshots), and those
+        # stay in memory: no disk tier for them.
+        self.snapshots = (StateSnapshots(self.snapshot_bytes, self.specs.bytes_per_slot)
+                          if states and config.enable_prefix_cache else None)
+        self.model_id = model_identity(model, info, self.specs, bs) if config.enable_prefix_cache else None
+        store = None if self.model_id is None or states else prefix_store(
+            config, self.model_id, self.runner.pool_caches, bs, evaluator.drain,
+            getattr(info, "name", None), getattr(info, "path", None))
+        self.block_pool = BlockPool(num_blocks, bs, enable_caching=self.model_id is not None,
+                                    cache_root=bytes.fromhex(self.model_id) if self.model_id else b"", store=store,
+                                    on_evict=self.snapshots.drop if self.snapshots is not None else None)
+
+        # 5. The scheduler, the output side and the pipelined step.
+        self.scheduler = self._make_scheduler(StopChecker(self.eos_token_ids))
+        self.output = OutputProcessor()
+        self.pipeline = (Pipeline(self.scheduler, self.runner, self.output, self.spec)
+                         if config.async_scheduling else None)
+        self.features = EngineFeatures(
+            paged=True, prefix_cache=config.enable_prefix_cache, speculation=self.spec is not None,
+            structured_output=True, drafter=self.spec.drafter.name if self.spec is not None else None)
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
-    def _make_scheduler(self, states, snapshots: bool) -> Scheduler:
-        """The scheduler; with state layers, their slot pool (and snapshots) beside the block pool."""
+    def _make_scheduler(self, stop_checker: StopChecker) -> Scheduler:
+        """The scheduler, async or not; with state layers, their slot pool (and snapshots) beside the block pool."""
         config = self.config
-        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self.state_pool = self.snapshots = None
-        if not states:
-            return Scheduler(sched_config, self.block_pool)
-        self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot, release=self.runner.states.release)
-        self.runner.states.slot_of = self.state_pool.slot_of
-        if snapshots:
-            self.snapshots = StateSnapshots(self.snapshot_bytes, self.specs.bytes_per_slot)
-        return StateScheduler(sched_config, self.block_pool, self.state_pool, self.runner.states, self.snapshots)
+        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.runner.batch_decode)
+        if self.state_pool is None:
+            cls = AsyncScheduler if config.async_scheduling else Scheduler
+            return cls(sched_config, self.block_pool, stop_checker)
+        cls = AsyncStateScheduler if config.async_scheduling else StateScheduler
+        return cls(sched_config, self.block_pool, stop_checker, self.state_pool, self.runner.states, self.snapshots,
+                   launch=self.runner.evaluator.launch)
 
     # -- capacity ---------------------------------------------------------------------
     @property
@@ -182,7 +206,23 @@ class LLMEngine(PipelinedSteps):
             **(self.ranks.stats() if self.ranks is not None else {}),
         }
 
+    def prepare(self) -> None:
+        """Build the structured-output tokenizer now: on the first request with a schema it would stall
+        every stream for a second (macinfer.core.grammar.GrammarCompiler.prepare)."""
+        self.grammars.prepare()
+
     # -- requests -----------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """The requests in flight by id (the output processor's table)."""
+        return self.output.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.output.requests)
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        return self.output.metrics(request_id)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     fork_of: str | None = None) -> str:
@@ -204,13 +244,13 @@ class LLMEngine(PipelinedSteps):
                 could never fit in the pool, or a structured output grammar that is invalid.
         """
         with self.runner.evaluator.context():  # a sampler's arrays on the stream the steps use
-            seq = self._new_sequence(prompt, params, request_id, arrival_time)
+            seq = new_sequence(self, prompt, params, request_id, arrival_time)
         n = len(seq.prompt_token_ids)
         if self.block_pool.num_blocks_for(n) > self.block_pool.num_usable_blocks:
             raise MacinferError(
                 f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
                 f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
-        parent = self.requests.get(fork_of) if fork_of is not None else None
+        parent = self.output.get(fork_of) if fork_of is not None else None
         if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
             seq.fork_of = parent
         if seq.params.structured is not None:
@@ -218,40 +258,19 @@ class LLMEngine(PipelinedSteps):
                 seq.grammar = self.grammars.matcher(seq.params.structured)
             except ValueError as e:
                 raise MacinferError(str(e)) from None
-        self.requests[seq.request_id] = seq
+        self.output.add(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
-    def _new_sequence(self, prompt, params: SamplingParams | None, request_id: str | None,
-                      arrival_time: float | None) -> Sequence:
-        """A checked, not yet queued Sequence: encoded, non-empty, within the context, a fresh id."""
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise MacinferError("the prompt is empty: give some text to complete")
-        if len(ids) >= self.max_model_len:
-            raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
-                                f"{self.max_model_len}: shorten it")
-        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
-        if vocab and any(t >= vocab for t in params.logit_bias):  # an index past the logits: refused
-            raise MacinferError(f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
-                                f"has {vocab} tokens (ids 0 to {vocab - 1})")
-        request_id = request_id or uuid.uuid4().hex[:12]
-        if request_id in self.requests:
-            raise MacinferError(f"request id {request_id!r} is already in use")
-        return Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
-                        detokenizer=self.tokenizer.detokenizer,
-                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final delta comes with the next step()."""
-        seq = self.requests.get(request_id)
+        seq = self.output.get(request_id)
         if seq is None or seq.is_finished:
             return
         self.scheduler.abort(request_id)
         if self.spec is not None:
             self.spec.remove(request_id)
-        self._pending.append(self._finish(seq))
+        self.output.aborted(seq)
 
     def release_thread(self) -> None:
         """Called by a thread that stepped this engine, just before it ends.
@@ -271,11 +290,12 @@ class LLMEngine(PipelinedSteps):
         mx.clear_streams()  # this thread's streams, compile cache and random key; the evaluator's stream is global
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self.output.has_pending
+                or (self.pipeline is not None and self.pipeline.inflight is not None))
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one scheduling step: schedule -> run the model -> append tokens and check stops.
+        """Run one scheduling step: schedule -> run -> update -> output.
 
         While every running sequence is plainly decoding, the pipelined variant runs
         instead (macinfer.engine.pipeline): it returns the step before's tokens.
@@ -285,127 +305,48 @@ class LLMEngine(PipelinedSteps):
             finished ones carry `output`, the whole RequestOutput).
         """
         with self.runner.evaluator.context():
-            return self._step()
+            deltas = self.output.take_pending()
+            if self.pipeline is not None and (self.pipeline.inflight is not None or self.pipeline.start()):
+                return deltas + self.pipeline.step()
+            return deltas + self._step()
 
     def _step(self) -> list[StreamDelta]:
-        deltas, self._pending = self._pending, []
-        if self._inflight is None and (rows := self._decode_rows(None)):
-            self._inflight = self._launch(rows, None)
-        if self._inflight is not None:
-            return deltas + self._step_pipelined()
+        """The synchronous step."""
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the decode rows
         out = self.scheduler.schedule()
-        for seq in out.finished:  # could not fit in the KV cache any more
-            deltas.append(self._finish(seq))
-            if self.spec is not None:
-                self.spec.remove(seq.request_id)  # what the drafter held for it
-        if out.is_empty:
-            return deltas
-        now = time.perf_counter()
-        for s in out.scheduled:
-            if s.seq.metrics.first_scheduled_time is None:
-                s.seq.metrics.first_scheduled_time = now
-        tokens = self.runner.execute_model(out.scheduled)
-        self.scheduler.update_from_output(out)
-        if self.snapshots is not None:  # states at block boundaries, before a finishing row's slot goes
-            self.scheduler.take_snapshots([s.seq for s in out.scheduled if not s.num_spec_tokens])
-        deltas += self._append_tokens(out.scheduled, tokens)
-        if self.spec is not None:  # accepted drafts count as computed now; acceptance, costs
-            self.spec.update_from_output(out.scheduled, tokens, time.perf_counter() - t0)
-            if self.snapshots is not None:  # rows that verified drafts: their state is at num_computed_tokens now
-                self.scheduler.take_snapshots([s.seq for s in out.scheduled if s.num_spec_tokens and not s.seq.is_finished])
-        return deltas
+        sampled = self.runner.execute_model(out.scheduled) if out.scheduled else []
+        moved = self.scheduler.update_from_output(out, sampled)
+        if self.spec is not None:  # acceptance and costs; what the drafter held for finished requests
+            for seq in out.finished:
+                self.spec.remove(seq.request_id)
+            if out.scheduled:
+                self.spec.update_from_output(out.scheduled, sampled, time.perf_counter() - t0)
+        return self.output.deltas(moved)
 
-    def _append_tokens(self, scheduled: list, tokens: list) -> list[StreamDelta]:
-        """Each row's new tokens (None: mid-prefill; a list: accepted drafts + the target's own)."""
-        deltas = []
-        for s, toks in zip(scheduled, tokens):
-            for tok in [] if toks is None else toks if isinstance(toks, list) else [toks]:
-                if s.seq.is_finished:
-                    break
-                delta = self._process_token(s.seq, tok)
-                if delta is not None:
-                    deltas.append(delta)
-        return deltas
 
-    def _process_token(self, seq: Sequence, tok: int) -> StreamDelta | None:
-        m = seq.metrics
-        now = time.perf_counter()
-        if m.first_token_time is None:
-            m.first_token_time = now
-        else:
-            m.decode_steps += 1
-            m.kv_tokens_sum += seq.num_tokens
-        p = seq.params
-        status = None
-        logprob, seq.pending_logprob = seq.pending_logprob, None
-        complete = seq.grammar is not None and advance(seq.grammar, tok)  # nothing but EOS may follow
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED  # the stop token is not part of the output
-        elif complete and tok in self.eos_token_ids:  # ignore_eos: the grammar still ends here
-            status = SequenceStatus.FINISHED_STOPPED
-        else:
-            seq.append_token(tok, logprob)
-            if p.stop and self._truncate_at_stop(seq):
-                status = SequenceStatus.FINISHED_STOPPED
-            elif complete:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.num_output_tokens >= seq.max_tokens:
-                status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish(seq, status)
-            return self._finish(seq)
-        # Hold back the tail that could still become a stop string.
-        hold = max((len(s) for s in p.stop), default=1) - 1
-        end = max(seq.num_emitted_chars, len(seq.text) - hold)
-        return self._delta(seq, end)
-
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence) -> bool:
-        # Only the new tail can hold a new match: earlier text was checked already.
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, seq.num_emitted_chars - longest)
-        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop if s) if i >= 0]
-        if not hits:
-            return False
-        seq.text = seq.text[: min(hits)]
-        seq.detokenizer = None  # freeze the text
-        return True
-
-    def _delta(self, seq: Sequence, end: int) -> StreamDelta | None:
-        text = seq.text[seq.num_emitted_chars: end]
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]  # not output_token_ids[...]: two copies
-        if not text and not new_ids:
-            return None
-        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_emitted_tokens:]
-        seq.num_emitted_chars = max(seq.num_emitted_chars, end)
-        seq.num_emitted_tokens = seq.num_output_tokens
-        return StreamDelta(seq.request_id, text, new_ids, logprobs=logprobs)
-
-    def _finish(self, seq: Sequence) -> StreamDelta:
-        """The final delta of a finished sequence, with its RequestOutput."""
-        seq.finalize_text()
-        seq.metrics.finish_time = time.perf_counter()
-        seq.metrics.generation_tokens = seq.num_output_tokens
-        delta = self._delta(seq, len(seq.text)) or StreamDelta(seq.request_id, "", [])
-        delta.finish_reason = seq.finish_reason
-        delta.output = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=seq.logprobs,
-        )
-        if self.block_pool.store is not None:  # its cached blocks to disk: reads the pools, so after the worker
-            self.runner.evaluator.drain()
-            self.block_pool.persist(seq.token_ids)
-        self.requests.pop(seq.request_id, None)
-        seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
-        return delta
+def new_sequence(engine, prompt, params: SamplingParams | None, request_id: str | None,
+                 arrival_time: float | None) -> Sequence:
+    """A checked, not yet queued Sequence for either engine: encoded, non-empty, within the
+    engine's context, logit_bias inside the vocabulary, a fresh id."""
+    params = params or SamplingParams()
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise MacinferError("the prompt is empty: give some text to complete")
+    if len(ids) >= engine.max_model_len:
+        raise MacinferError(f"the prompt is {len(ids)} tokens but the model holds at most "
+                            f"{engine.max_model_len}: shorten it")
+    vocab = getattr(getattr(engine.model, "args", None), "vocab_size", None)
+    if vocab and any(t >= vocab for t in params.logit_bias):  # an index past the logits: refused
+        raise MacinferError(f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
+                            f"has {vocab} tokens (ids 0 to {vocab - 1})")
+    request_id = request_id or uuid.uuid4().hex[:12]
+    if engine.output.get(request_id) is not None:
+        raise MacinferError(f"request id {request_id!r} is already in use")
+    return Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, engine.max_model_len - len(ids)),
+                    detokenizer=engine.tokenizer.detokenizer,
+                    arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
 
 
 def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:
@@ -435,7 +376,12 @@ def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threade
     return cpu_lazy and decode_graph_pays_off(model)
 
 
+def _hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
 def _logits_width(model, tokenizer) -> int:
     """The number of columns of the model's logits: its config's vocab_size, else the tokenizer's."""
     width = getattr(getattr(model, "args", None), "vocab_size", None)
-    return int(width) if isinstance(width, int) and width > 0 else len(getattr(tokenizer, "_tokenizer", tokenizer))
+    return int(width) if isinstance(width, int) and width > 0 else len(_hf_tokenizer(tokenizer))

@@ -1,16 +1,14 @@
-"""The pipelined variant of LLMEngine.step.
+"""The pipelined decode step (async scheduling), the engine's variant of its synchronous step.
 
-Async scheduling (vLLM's name for it; mlx-lm's generate_step does the same for one
-stream): while every running sequence is plainly decoding, step n+1 is built from
-step n's sampled ids while they are still being computed, and queued with
-mx.async_eval before step n's ids are read back. Building a forward costs a few ms
-of Python per step; this way it overlaps the model's compute instead of adding to
-it, and so do the caller's handling of the deltas and detokenising. Stops are
-therefore seen one step late: a sequence that finished at step n also computed one
-row in step n+1, which is dropped (its K/V slot lies past the sequence's end and
-its blocks are freed as usual). Anything else (admitting a request, a prefill
-chunk, drafts, too few free blocks) first reads back the step in flight, then runs
-a plain synchronous step.
+While every running sequence is plainly decoding, step n+1 is built from step n's sampled ids
+while they are still being computed, and queued before step n's ids are read back (vLLM's
+async scheduling; mlx-lm's generate_step does the same for one stream). Building a forward costs
+a few ms of Python per step; this way it overlaps the model's compute instead of adding to it,
+and so do the caller's handling of the deltas and detokenising. Which rows, and their slots and
+computed tokens, are the scheduler's (macinfer.core.async_scheduler); this module launches and
+reads back:
+
+    schedule_decode -> runner.launch_decode -> launched (n+1) -> read back n -> update_from_launched -> output
 
 Structured output rides along: step n+1's mask needs step n's token, so a row with a grammar is
 computed in step n+1's forward but not sampled there. Once step n is read back (its tokens fed
@@ -31,16 +29,19 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from macinfer.core.async_scheduler import AsyncScheduling, same_rows
 from macinfer.core.evaluator import Job
 from macinfer.core.logprobs import LogprobRows
-from macinfer.core.model_runner import HeldRows
+from macinfer.core.model_runner import HeldRows, ModelRunner
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sequence import Sequence
+from macinfer.engine.output_processor import OutputProcessor
+from macinfer.spec_decode.decoder import SpecDecoder
 
 
 @dataclass
 class InFlight:
-    """A decode step queued with mx.async_eval whose sampled ids are not read back yet."""
+    """A launched decode step whose sampled ids are not read back yet."""
 
     seqs: list[Sequence]
     tokens: mx.array  # (B,) lazy sampled ids, one per seq
@@ -50,91 +51,69 @@ class InFlight:
     held_job: Job | None = None  # their sampling's evaluation, behind `job`
 
 
-class PipelinedSteps:
-    """LLMEngine's pipelined steps (a mixin, as vLLM keeps its AsyncScheduler apart).
+class Pipeline:
+    """Launches decode steps ahead and reads them back.
 
-    NOTE: it reads the engine's config, scheduler, block_pool, runner, spec and snapshots, and keeps
-    `_inflight` (the step queued and not yet read back) and `_last_resolve`; a
-    synchronous step runs only while `_inflight` is None.
+    Args:
+        scheduler: an async scheduler (schedule_decode / launched / update_from_launched).
+        runner: launches the forwards.
+        output: streams the read-back tokens.
+        spec: the engine's SpecDecoder, or None: with one, a step worth drafting runs synchronously.
+
+    NOTE: the engine runs a synchronous step only while `inflight` is None.
     """
 
-    def _step_pipelined(self) -> list[StreamDelta]:
-        """Queue step n+1 (if the rows allow), then read back step n and process its tokens."""
-        prev = self._inflight
-        rows = self._decode_rows(prev)
-        self._inflight = self._launch(rows, prev) if rows else None
+    def __init__(self, scheduler: AsyncScheduling, runner: ModelRunner, output: OutputProcessor,
+                 spec: SpecDecoder | None = None):
+        self.scheduler, self.runner, self.output, self.spec = scheduler, runner, output, spec
+        self.inflight: InFlight | None = None  # the step queued and not yet read back
+        self._last_resolve: float | None = None  # when the previous queued step was read back
+
+    def start(self) -> bool:
+        """Launch a step if every running sequence can decode without a synchronous step; whether it did."""
+        rows = self._schedule(None)
+        if rows:
+            self.inflight = self._launch(rows, None)
+        return bool(rows)
+
+    def step(self) -> list[StreamDelta]:
+        """Queue step n+1 (if the rows allow), then read back step n and stream its tokens."""
+        prev = self.inflight
+        rows = self._schedule(prev)
+        self.inflight = self._launch(rows, prev) if rows else None
         deltas = self._resolve(prev)
-        if self._inflight is None:
+        if self.inflight is None:
             self.runner.evaluator.drain()  # a synchronous step comes next: nothing may run behind it
         else:
-            self._sample_held(self._inflight)  # its grammar rows: their matchers now hold prev's tokens
+            self._sample_held(self.inflight)  # its grammar rows: their matchers now hold prev's tokens
         if self.spec is not None:
             # Read-back to read-back is one step's cost only while a step is queued behind
             # each. The last read-back before a synchronous step has none: where queueing
             # blocks until the step before is done (MLX on the CPU), it times only that
             # step's tail (~20 ms of ~160 at 8 rows), and the fit took decode for cheap.
             now = time.perf_counter()
-            full = self._last_resolve is not None and self._inflight is not None
+            full = self._last_resolve is not None and self.inflight is not None
             self.spec.skip_step(self.scheduler.running, len(prev.seqs),
                                 now - self._last_resolve if full else None)
-            self._last_resolve = now if self._inflight is not None else None
+            self._last_resolve = now if self.inflight is not None else None
         return deltas
 
-    def _decode_rows(self, prev: InFlight | None) -> list[Sequence]:
-        """The sequences the next step can decode without reading anything back, or [].
-
-        Pipelining only covers the steady state: every running sequence decoding, nobody
-        waiting who could be admitted, no drafts, a free slot for each row without preempting.
-        Rows with structured output are sampled once step n is read back (_sample_held).
-        With a step in flight, a sequence whose pending token is its last (max_tokens)
-        is left out: it is certain to finish.
-        """
-        running = self.scheduler.running
-        # A waiting request only blocks pipelining if it could be admitted now: a server whose
-        # queue is longer than max_num_seqs still runs its full batch ahead.
-        admissible = self.scheduler.waiting and len(running) < self.config.max_num_seqs
-        if (not self.config.async_scheduling or admissible
-                or not running or (len(running) > 1 and not self.runner.batch_decode)):
-            return []
-        if prev is None:
-            if any(s.num_uncomputed_tokens != 1 for s in running):
-                return []
-            rows = list(running)
-        else:
-            if not _same_rows(running, prev.seqs):  # the usual step is the same rows again: no set to build
-                launched = {id(s) for s in prev.seqs}
-                if any(id(s) not in launched for s in running):
-                    return []
-            rows = [s for s in running if s.num_output_tokens + 1 < s.max_tokens]
-        pool = self.block_pool
-        if sum(pool.num_new_blocks(s, 1) for s in rows) > pool.get_num_free_blocks():
-            return []
-        if self.spec is not None and rows and self.spec.wants_sync(rows, pending=prev is not None):
-            return []  # worth drafting: that needs the tokens read back, then a synchronous step
-        return rows
+    def _schedule(self, prev: InFlight | None) -> list[Sequence]:
+        wants_sync = None if self.spec is None else self.spec.wants_sync
+        return self.scheduler.schedule_decode(None if prev is None else prev.seqs, wants_sync)
 
     def _launch(self, rows: list[Sequence], prev: InFlight | None) -> InFlight:
         """Queue a decode step for rows; their input ids are prev's lazy outputs."""
         if prev is None:
             tokens = mx.array([s.token_ids[-1] for s in rows], dtype=mx.uint32)
-        elif _same_rows(rows, prev.seqs):
+        elif same_rows(rows, prev.seqs):
             tokens = prev.tokens  # the usual step: no index to build
         else:
             index = {id(s): i for i, s in enumerate(prev.seqs)}
             tokens = prev.tokens[mx.array([index[id(s)] for s in rows])]
-        now = time.perf_counter()
-        for s in rows:
-            ok = self.block_pool.allocate_slots(s, 1)
-            assert ok, s  # _decode_rows counted the free blocks
-            if s.metrics.first_scheduled_time is None:
-                s.metrics.first_scheduled_time = now
         sampled, logprob_rows, held = self.runner.launch_decode(rows, tokens)
-        job = self.runner.evaluator.last
-        for s in rows:
-            s.num_computed_tokens += 1  # the row's K/V is queued; its token comes with _resolve
-        if self.snapshots is not None:  # pending state snapshots at block boundaries, queued too
-            self.scheduler.take_snapshots(rows, launch=self.runner.evaluator.launch)
-        step = InFlight(rows, sampled, logprob_rows, job, held)
+        step = InFlight(rows, sampled, logprob_rows, self.runner.evaluator.last, held)
+        self.scheduler.launched(rows)
         if prev is None:  # every matcher has consumed the rows' input ids already
             self._sample_held(step)
         return step
@@ -151,26 +130,15 @@ class PipelinedSteps:
             step.held, step.held_job = None, self.runner.evaluator.last
 
     def _resolve(self, step: InFlight) -> list[StreamDelta]:
-        """Read a launched step's tokens back and process them like a synchronous step."""
-        deltas = []
+        """Read a launched step's tokens back; the scheduler appends them, the output streams them."""
         for job in (step.job, step.held_job):
             if job is not None:
                 job.wait()  # before reading: the engine thread evaluates nothing a worker may be evaluating
         tokens = step.tokens.tolist()
         step.logprob_rows.deliver()
-        for seq, tok in zip(step.seqs, tokens):
-            if seq.is_finished:  # stopped a step earlier, or aborted: the row is dropped
-                continue
-            delta = self._process_token(seq, tok)
-            if delta is not None:
-                deltas.append(delta)
-            if not seq.is_finished:
-                self.block_pool.cache_full_blocks(seq)  # now that its token ids are known
-            elif self.spec is not None:
-                self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's update would)
-        return deltas
-
-
-def _same_rows(rows: list[Sequence], launched: list[Sequence]) -> bool:
-    """The same sequences in the same order (the usual decode step after the one before)."""
-    return len(rows) == len(launched) and all(a is b for a, b in zip(rows, launched))
+        moved = self.scheduler.update_from_launched(step.seqs, tokens)
+        if self.spec is not None:
+            for seq in moved:
+                if seq.is_finished:
+                    self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's record would)
+        return self.output.deltas(moved)

@@ -35,7 +35,7 @@ probe at start-up (`honours_lengths`); the runner then only batches rows with eq
 
 Speculative verification: `rollback` points rows that rejected drafts back at the state they had
 before the verify forward (kept alive until the next bind), and the runner feeds their accepted
-tokens again (macinfer.core.state_pool.refeed_rejected).
+tokens again (macinfer.core.model_runner.ModelRunner.refeed_rejected).
 """
 
 from __future__ import annotations
@@ -217,15 +217,17 @@ class StateStore:
     Args:
         specs: the model's ModelSpecs (inspect_model); attention caches are built by the runner.
         slot_of: seq -> its state slot (macinfer.core.state_pool.StatePool.slot_of).
+        honours_lengths: the state layers keep padding out of a row's state (`honours_lengths(model)`);
+            False: the runner batches only rows with equal new-token counts.
     """
 
-    def __init__(self, specs: ModelSpecs, slot_of=None):
+    def __init__(self, specs: ModelSpecs, slot_of=None, honours_lengths: bool = True):
         self.specs = specs.states
         self.layout = specs.layout
         self.bytes_per_slot = specs.bytes_per_slot
         self.slot_of = slot_of
         self.layers = [SlotCache(self, j, len(s.shapes)) for j, s in enumerate(self.specs)]
-        self.honours_lengths = True  # set by the runner from honours_lengths(model)
+        self.honours_lengths = honours_lengths
         self._where: dict[int, tuple[_Batch, int]] = {}  # slot -> (batch, row) of its current state
         self._current: _Batch | None = None
         self._copy = False

@@ -95,5 +95,5 @@ def remove_prefix_dir(p: PrefixDir) -> None:
 
 
 def prefix_root() -> Path:
-    """The prefix cache's disk tier: $MACINFER_PREFIX_CACHE_DIR or cache_dir()/prefix (as the engine)."""
+    """The prefix cache's disk tier: $MACINFER_PREFIX_CACHE_DIR or cache_dir()/prefix (unless an engine sets prefix_cache_dir)."""
     return Path(os.environ.get("MACINFER_PREFIX_CACHE_DIR") or cache_dir() / "prefix").expanduser()

@@ -41,6 +41,7 @@ import os
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,10 +71,14 @@ class DiskPrefixStore:
         caches: the engine's PagedKVCache per layer (their k_pool / v_pool).
         block_size: tokens per block.
         max_bytes: size limit of the block files of all models (the directory's parent).
+        sync: called before the pools are read (`save`): nothing may be evaluating beside it
+            (a launched step on the evaluator's thread: StepEvaluator.drain).
     """
 
-    def __init__(self, directory: str | Path, model_id: str, caches: list, block_size: int, max_bytes: int):
+    def __init__(self, directory: str | Path, model_id: str, caches: list, block_size: int, max_bytes: int,
+                 sync: Callable[[], None] | None = None):
         self.directory = Path(directory)
+        self.sync = sync
         self.directory.mkdir(parents=True, exist_ok=True)
         # Temporary files of killed processes (any model's): invisible to the size limit, so swept here.
         remove_stale(self.directory.parent, "*/.*.tmp")
@@ -226,6 +231,8 @@ class DiskPrefixStore:
                 self._touch(b[0].hex())
         if not todo:
             return 0
+        if self.sync is not None:
+            self.sync()
         # One gather per pool (a copy: a view would keep the pool from updating in place).
         slots = self._slots([b[2] for b in todo])
         ks = [self._from_pool(c.k_pool[:, slots]) for c in self.caches]

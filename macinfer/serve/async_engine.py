@@ -30,8 +30,13 @@ from typing import AsyncIterator, Callable
 
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
+from macinfer.engine.protocol import Engine
 
 log = logging.getLogger("macinfer.serve.server")
+
+
+# engine -> the AsyncEngine whose thread steps it (at most one may: start() checks).
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class EngineDeadError(RuntimeError):
@@ -42,9 +47,7 @@ class AsyncEngine:
     """Runs `engine` on a background thread and streams each request's deltas to asyncio.
 
     Args:
-        engine: anything with `add_request(prompt_token_ids, params, request_id=None)`,
-            `abort_request(request_id)`, `step() -> list[StreamDelta]` and `has_unfinished()`
-            (macinfer.engine.llm_engine.LLMEngine).
+        engine: a macinfer.engine.protocol.Engine (the paged LLMEngine or the mlx-lm DenseEngine).
         on_step: called on the engine thread after each step with (seconds, deltas).
         on_idle: called on the engine thread about every half second while there is nothing to
             step (across ranks: a heartbeat, macinfer.engine.distributed).
@@ -58,7 +61,7 @@ class AsyncEngine:
     BURST_GAP_S = 0.0005  # _settle: the inbox quiet this long ends a burst
     BURST_MAX_S = 0.003  # _settle waits no longer than this in all
 
-    def __init__(self, engine, on_step: Callable[[float, list], None] | None = None,
+    def __init__(self, engine: Engine, on_step: Callable[[float, list], None] | None = None,
                  on_idle: Callable[[], None] | None = None):
         self.engine = engine
         self.on_step, self.on_idle = on_step, on_idle
@@ -77,10 +80,10 @@ class AsyncEngine:
         """Start the engine thread. Raises RuntimeError if another AsyncEngine runs this engine:
         two threads stepping one engine would race on its scheduler and pools (and MLX streams
         are per thread)."""
-        owner = getattr(self.engine, "_async_engine", None)
+        owner = _OWNERS.get(self.engine)
         if owner is not None and owner is not self and owner.is_running:
             raise RuntimeError("this engine is already served by another AsyncEngine: shut that one down first")
-        self.engine._async_engine = self
+        _OWNERS[self.engine] = self
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
             self._thread.start()
@@ -172,9 +175,7 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
         finally:
-            release = getattr(self.engine, "release_thread", None)  # the mlx-lm fallback has none
-            if release is not None:
-                release()
+            self.engine.release_thread()
 
     def _settle(self) -> None:
         """Let a burst of requests reach an idle engine before its first step.

@@ -128,9 +128,8 @@ _RANK_SERIES = [  # (metric, help, kv_stats key of a list with one value per ran
 
 def _kv_stats(aengine) -> dict:
     # NOTE: read from the scrape thread without a lock: plain ints, at worst one step stale.
-    kv_stats = getattr(aengine.engine, "kv_stats", None)
     try:
-        return kv_stats() if kv_stats is not None else {}
+        return aengine.engine.kv_stats()
     except Exception:  # the engine changed under us mid-read; skip this scrape's gauges
         return {}
 

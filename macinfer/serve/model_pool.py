@@ -271,8 +271,7 @@ class ModelPool:
 
 def _nbytes(m: ServedModel) -> int:
     """A loaded model's weights and KV pool."""
-    kv = getattr(m.llm.engine, "kv_stats", None)
-    return m.llm.info.weight_bytes + int((kv() if kv is not None else {}).get("pool_bytes", 0))
+    return m.llm.info.weight_bytes + int(m.llm.engine.kv_stats().get("pool_bytes") or 0)
 
 
 def _free(engine: AsyncEngine) -> None:

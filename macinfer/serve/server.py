@@ -132,7 +132,7 @@ class Server:
 
     def _check_queue(self, engine: AsyncEngine) -> None:
         """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
-        waiting = engine.num_active - engine.engine.config.max_num_seqs
+        waiting = engine.num_active - engine.engine.max_num_seqs
         if waiting >= self.max_queue:
             raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
                                 "--max-queue): retry later", None, "queue_full", "server_error",
@@ -368,7 +368,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     ranks = getattr(llm, "ranks", None)  # across ranks: the idle engine thread keeps the others posted
     aengine = AsyncEngine(engine or llm.engine, on_step=functools.partial(metrics.observe_step, model=model_name),
                           on_idle=ranks.heartbeat if ranks is not None else None)
-    _prepare_grammars(aengine.engine)
+    aengine.engine.prepare()
     if models is not None and models.load is not None:  # and each model as it is loaded, on the loading thread
         models = dataclasses.replace(models, load=functools.partial(_load_prepared, models.load))
 
@@ -392,17 +392,10 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     return app
 
 
-def _prepare_grammars(engine) -> None:
-    """Build the engine's structured-output tokenizer now, before it serves: on the first request with
-    a schema it would stall every stream for a second (macinfer.core.grammar.GrammarCompiler.prepare)."""
-    grammars = getattr(engine, "grammars", None)  # the paged engine's; the mlx-lm fallback has none
-    if grammars is not None:
-        grammars.prepare()
-
-
 def _load_prepared(load, spec: str):
+    """Load a model and build what its engine's first request would otherwise build (Engine.prepare)."""
     llm = load(spec)
-    _prepare_grammars(getattr(llm, "engine", None))
+    llm.engine.prepare()
     return llm
 
 

@@ -9,10 +9,10 @@ One step, as the engine runs it with a drafter:
   3. ModelRunner runs ONE forward over every decode row, padded to 1 + max k, and
      hands the logits of the drafted positions to `verify_rows` (exact rejection
      sampling, macinfer.spec_decode.rejection).
-  4. `Scheduler.update_from_output` rolls num_computed_tokens back past the
-     rejected drafts and frees the blocks that held only them; the engine appends
-     the accepted tokens and the target's own next token; `SpecDecoder.record`
-     updates acceptance, costs and the request metrics.
+  4. `Scheduler.update_from_output` appends the accepted tokens and the target's own
+     next token, counts the accepted drafts as computed and frees the blocks that held
+     only rejected ones; `SpecDecoder.update_from_output` updates acceptance, costs and
+     the request metrics.
 
 Choosing k (adaptive). Decode rows share one forward padded to L = 1 + K, so the
 choice is K per step, from the requests' tracked acceptance and measured costs:
@@ -104,7 +104,6 @@ class SpecDecoder:
 
     Args:
         drafter: a Drafter.
-        block_pool: the target's BlockPool (rollback frees blocks there).
         num_speculative_tokens: the most tokens drafted per row per step.
         adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
     """
@@ -114,11 +113,10 @@ class SpecDecoder:
     PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
     DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
 
-    def __init__(self, drafter: Drafter, block_pool, num_speculative_tokens: int = 12, adaptive: bool = True):
+    def __init__(self, drafter: Drafter, num_speculative_tokens: int = 12, adaptive: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens}")
         self.drafter = drafter
-        self.block_pool = block_pool
         self.max_k = num_speculative_tokens
         self.adaptive = adaptive
         # Decayed counts per (request, kind of draft) and pooled per kind: kinds are the
@@ -330,16 +328,7 @@ class SpecDecoder:
         self._draft_s = time.perf_counter() - t0
 
     def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:
-        """After the step (tokens appended): rollback, acceptance, metrics, the step's cost.
-
-        Rollback: a row that verified k drafts and accepted a of them now has
-        a + 1 new tokens, the last one without K/V yet. The scheduler counted only
-        the row's real token as computed; the a accepted drafts' K/V is valid, so
-        they are counted here, and blocks past the sequence's tokens (holding only
-        rejected drafts) are freed:
-
-            before    tokens [.. t]           computed [.. ]            + k drafts written
-            after     tokens [.. t d0 d1 x]   computed [.. t d0 d1]     (a = 2, x: the target's)
+        """After the step (its tokens appended by the scheduler): acceptance, metrics, the step's cost.
 
         Args:
             scheduled: the step's ScheduledSequences.
@@ -362,9 +351,6 @@ class SpecDecoder:
                     self._record(s.seq.request_id, kind, 0.0, 1.0)
                 continue
             accepted = len(toks) - 1
-            if not s.seq.is_finished:
-                s.seq.num_computed_tokens += accepted
-                self.block_pool.trim(s.seq, s.seq.num_tokens)
             tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
             self._record(s.seq.request_id, kind, accepted, tried, own=not s.seq.is_finished)
             m = s.seq.metrics

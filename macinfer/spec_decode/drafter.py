@@ -53,6 +53,9 @@ class Drafter(Protocol):
 
     name: str
     has_model: bool  # True: each drafted token costs a draft forward (a round)
+    # Fed the target's final hidden states of every forward (a feature draft), or None:
+    # hidden_sink(seqs, starts, counts, hidden (B, L, D)), the target runner's `hidden_sink`.
+    hidden_sink: object
 
     def available(self, seq: Sequence, k: int) -> int:
         """How many tokens (<= k) the drafter can propose for seq right now."""
@@ -116,6 +119,7 @@ class NgramDrafter:
 
     name = "ngram"
     has_model = False
+    hidden_sink = None
     BUCKETS = ((2, 0.40), (4, 0.55), (7, 0.70), (10**9, 0.90))  # (largest m, prior acceptance)
 
     def __init__(self, max_n: int = 4, min_n: int = 2, max_match: int = 32):
@@ -200,6 +204,7 @@ class LookupDrafter:
     def __init__(self, model, ngram: NgramDrafter | None = None, min_match: int = 3):
         self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
         self.name = f"{model.name}+ngram"
+        self.hidden_sink = model.hidden_sink
 
     def _lookup(self, seq: Sequence) -> bool:
         return self.ngram.match_length(seq) >= self.min_match
@@ -256,6 +261,7 @@ class DraftModelDrafter:
     """
 
     has_model = True
+    hidden_sink = None
 
     def __init__(self, model, num_blocks: int, block_size: int, name: str = "draft"):
         self.name = name

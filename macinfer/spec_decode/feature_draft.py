@@ -162,21 +162,23 @@ class FeatureDrafter:
 
     Args:
         draft: a FeatureDraft with .head.
-        target_runner: the target's ModelRunner; its forwards report their hidden states here.
         num_blocks, block_size: the draft's own block pool.
+
+    The target's ModelRunner reports each forward's hidden states to `hidden_sink` (its constructor's
+    `hidden_sink=`, which the engine passes).
     """
 
     has_model = True
     # Stop a chain where the chance it is all accepted falls below this: about what one more
     # verified token plus one more draft round cost, as a fraction of a decode step. Measured
-    # in the engine with float32 SmolLM2 on the dev CPU (session 6): a 60-65 ms decode step;
+    # in the engine with float32 SmolLM2 on a 2-core x86 CPU (MLX's CPU backend): a 60-65 ms decode step;
     # each verified draft adds 9-10 ms (OpenBLAS sgemm on 2 rows runs ~15% slower than its gemv
     # on one, the 49k-row head included); a draft round costs ~4 ms. A lower cut for the first
     # token alone (0.15: its round is paid either way) measured 1.19x against 1.23x over 12
     # held-out prompts.
     min_joint = 0.25
 
-    def __init__(self, draft: FeatureDraft, target_runner, num_blocks: int, block_size: int, name: str = "feature draft"):
+    def __init__(self, draft: FeatureDraft, num_blocks: int, block_size: int, name: str = "feature draft"):
         self.name = name
         self.draft = draft
         self.pool = BlockPool(num_blocks, block_size)
@@ -184,7 +186,7 @@ class FeatureDrafter:
         self.states: dict[str, _FeatState] = {}
         self.feats: dict[str, list[list]] = {}  # request_id -> [[start position, (n, D) lazy array]]
         self.round_s: float | None = None  # seconds per decode draft round (EMA), as DraftModelDrafter
-        target_runner.set_hidden_sink(self.observe)
+        self.hidden_sink = self.observe
 
     # -- features from the target ---------------------------------------------------------
     # Unfed features kept per request. A request that goes many steps without drafting (adaptive
