@@ -16,7 +16,7 @@ computes a step's masks while MLX evaluates the forward (macinfer.core.model_run
     fill_masks / apply_masks   a forward's bitmasks, and the logits with them applied
 
 NOTE: a request's matcher has consumed exactly its generated tokens (and the EOS that ended
-it). The engine advances it as it appends a token (LLMEngine._process_token), never
+it). The scheduler advances it as it appends a token (macinfer.core.stop_checker), never
 speculatively: requests with a grammar get no drafts (macinfer.spec_decode.decoder), and a pipelined
 step samples their rows only once the step before is read back (macinfer.engine.pipeline,
 ModelRunner.launch_held). Preemption keeps the generated tokens, so it keeps the matcher's

@@ -51,7 +51,7 @@ class LogprobRows:
 
     `add` records a row's arrays; `arrays()` go into the step's mx.eval (or async_eval);
     `deliver()` reads them back and sets each sequence's `pending_logprob`, which the
-    engine takes with the token (LLMEngine._process_token).
+    scheduler appends with the token (macinfer.core.stop_checker.StopChecker.append).
     """
 
     def __init__(self):

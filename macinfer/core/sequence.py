@@ -45,6 +45,9 @@ class Sequence:
         params: sampling parameters; a per-request Sampler is built from them.
         max_tokens: the effective limit (params.max_tokens capped by the context).
         detokenizer: an mlx-lm streaming detokenizer for this request, or None.
+        arrival_time: perf_counter() stamp for its metrics.
+        grammar: its structured output's llguidance matcher (macinfer.core.grammar), or None.
+        fork_of: n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).
     """
 
     _counter = itertools.count()
@@ -57,6 +60,8 @@ class Sequence:
         max_tokens: int | None = None,
         detokenizer: Any = None,
         arrival_time: float = 0.0,
+        grammar: Any = None,
+        fork_of: "Sequence | None" = None,
     ):
         self.request_id = request_id
         self.seq_no = next(Sequence._counter)  # admission order tie-breaker
@@ -73,12 +78,11 @@ class Sequence:
         self.params = params
         self.sampler = Sampler(params)
         # Structured output: an llguidance matcher that has consumed exactly the generated tokens
-        # (macinfer.core.grammar), set by the engine; None: free text.
-        self.grammar = None
+        # (macinfer.core.grammar); None: free text.
+        self.grammar = grammar
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.num_preemptions = 0
-        # n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).
-        self.fork_of: Sequence | None = None
+        self.fork_of = fork_of
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))
         # Text: `text` is everything decoded so far; `num_emitted_chars` how much of
         # it has been streamed (stop strings hold some back until they are ruled out).

@@ -243,21 +243,21 @@ class LLMEngine:
             MacinferError: empty prompt, prompt longer than the context, a prompt whose KV
                 could never fit in the pool, or a structured output grammar that is invalid.
         """
+        params = params or SamplingParams()
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.grammars.matcher(params.structured)
+            except ValueError as e:
+                raise MacinferError(str(e)) from None
+        parent = self.output.get(fork_of) if fork_of is not None else None
         with self.runner.evaluator.context():  # a sampler's arrays on the stream the steps use
-            seq = new_sequence(self, prompt, params, request_id, arrival_time)
+            seq = new_sequence(self, prompt, params, request_id, arrival_time, grammar=grammar, parent=parent)
         n = len(seq.prompt_token_ids)
         if self.block_pool.num_blocks_for(n) > self.block_pool.num_usable_blocks:
             raise MacinferError(
                 f"the prompt is {n} tokens but the KV cache holds {self.num_tokens_capacity} "
                 f"({fmt_bytes(self.kv_budget, binary=True)}): raise kv_memory")
-        parent = self.output.get(fork_of) if fork_of is not None else None
-        if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and not parent.is_finished:
-            seq.fork_of = parent
-        if seq.params.structured is not None:
-            try:
-                seq.grammar = self.grammars.matcher(seq.params.structured)
-            except ValueError as e:
-                raise MacinferError(str(e)) from None
         self.output.add(seq)
         self.scheduler.add(seq)
         return seq.request_id
@@ -327,9 +327,14 @@ class LLMEngine:
 
 
 def new_sequence(engine, prompt, params: SamplingParams | None, request_id: str | None,
-                 arrival_time: float | None) -> Sequence:
+                 arrival_time: float | None, grammar=None, parent: Sequence | None = None) -> Sequence:
     """A checked, not yet queued Sequence for either engine: encoded, non-empty, within the
-    engine's context, logit_bias inside the vocabulary, a fresh id."""
+    engine's context, logit_bias inside the vocabulary, a fresh id.
+
+    Args:
+        grammar: its structured output's matcher, or None.
+        parent: an unfinished request it forks (n > 1): kept only if the prompts are the same.
+    """
     params = params or SamplingParams()
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
@@ -344,9 +349,12 @@ def new_sequence(engine, prompt, params: SamplingParams | None, request_id: str 
     request_id = request_id or uuid.uuid4().hex[:12]
     if engine.output.get(request_id) is not None:
         raise MacinferError(f"request id {request_id!r} is already in use")
+    if parent is not None and (parent.prompt_token_ids != ids or parent.is_finished):
+        parent = None
     return Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, engine.max_model_len - len(ids)),
                     detokenizer=engine.tokenizer.detokenizer,
-                    arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+                    arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                    grammar=grammar, fork_of=parent)
 
 
 def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:

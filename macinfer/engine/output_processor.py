@@ -82,17 +82,11 @@ class OutputProcessor:
         seq.finalize_text()
         seq.metrics.finish_time = time.perf_counter()
         seq.metrics.generation_tokens = seq.num_output_tokens
-        delta = self._delta(seq, len(seq.text)) or StreamDelta(seq.request_id, "", [])
-        delta.finish_reason = seq.finish_reason
-        delta.output = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=seq.logprobs,
-        )
+        last = self._delta(seq, len(seq.text)) or StreamDelta(seq.request_id, "", [])
+        output = RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                               token_ids=seq.output_token_ids, text=seq.text, finish_reason=seq.finish_reason,
+                               metrics=seq.metrics, logprobs=seq.logprobs)
+        delta = StreamDelta(seq.request_id, last.text, last.token_ids, seq.finish_reason, output, last.logprobs)
         self.requests.pop(seq.request_id, None)
         seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta

@@ -27,7 +27,7 @@ class ServerMetrics:
     Args:
         model_label: every series but the refusals (`macinfer_request_errors`, counted before a
             model is known) carries `model="..."`: a server of several models. Without it the
-            series are unlabelled, as a one-model server has always shown them.
+            series are unlabelled, as a one-model server shows them.
     """
 
     def __init__(self, model_label: bool = False):
@@ -91,8 +91,13 @@ class ServerMetrics:
             of(self.tpot).observe(1.0 / m.decode_tps)
 
     def acceptance_ratio(self, model: str | None) -> float:
-        drafted = self._of(self.draft_tokens, model=model)._value.get()
-        return self._of(self.accepted_tokens, model=model)._value.get() / drafted if drafted else 0.0
+        drafted = self._count("macinfer_draft_tokens_total", model)
+        return self._count("macinfer_draft_accepted_tokens_total", model) / drafted if drafted else 0.0
+
+    def _count(self, sample: str, model: str | None) -> float:
+        """A counter's value for one model (all models' without the model label), through the registry."""
+        labels = {"model": model or ""} if self.model_label else {}
+        return self.registry.get_sample_value(sample, labels) or 0.0
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
