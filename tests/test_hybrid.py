@@ -209,10 +209,30 @@ def test_budget_describe_and_stats(hybrid):
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
     engine.step()
     assert engine.kv_stats()["state_slots_used"] == 1
-    with pytest.raises(MacinferError, match="recurrent state of 64 sequences"):
-        LLMEngine(model, tok, None, kv_memory="64KB", max_model_len=512)
+    with pytest.raises(MacinferError, match="recurrent state of 64 sequences"):  # chosen: kept or refused
+        LLMEngine(model, tok, None, kv_memory="64KB", max_model_len=512, max_num_seqs=64)
     falcon = inspect_model(hybrid("falcon_h1")[1], "falcon_h1")
     assert [e[0] for e in falcon.layout] == ["list", "list"] and len(falcon) == 2
+
+
+def test_a_small_budget_runs_fewer_sequences_of_a_hybrid(hybrid, capfd):
+    """The default max_num_seqs' state slots outgrow a small KV budget: fewer sequences run (half the
+    budget's worth of slots), said in one line, and generation is still mlx-lm's."""
+    path, model, tok = hybrid("falcon_h1")
+    per_slot = inspect_model(model, "falcon_h1").bytes_per_slot
+    budget = 20 * per_slot  # 64 slots do not fit; 10 do in half of it
+    engine = LLMEngine(model, tok, None, kv_memory=budget, block_size=4, max_model_len=256)
+    assert engine.max_num_seqs == engine.state_pool.num_slots == 10 == engine.scheduler.config.max_num_seqs
+    assert engine.state_bytes == 10 * per_slot
+    note = [line for line in capfd.readouterr().err.splitlines() if "sequences run at once" in line]
+    assert len(note) == 1 and "falcon_h1: the recurrent state of 64 sequences" in note[0] and "at most 10" in note[0]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 9, 13)] * 4  # 12 requests for 10 slots
+    out = run(engine, [(0, p, SamplingParams(max_tokens=4, ignore_eos=True), f"r{i}") for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts[:3]):
+        assert out[f"r{i}"].token_ids == oracle(model, p, 4)
+    with pytest.raises(MacinferError, match="recurrent state of 64 sequences"):  # chosen: refused, not lowered
+        LLMEngine(model, tok, None, kv_memory=budget, block_size=4, max_model_len=256, max_num_seqs=64)
 
 
 class ScriptedDrafter:

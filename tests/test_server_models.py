@@ -240,6 +240,21 @@ def test_any_model_ls_lists_is_served_by_its_name(paths, tmp_path, monkeypatch):
         assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30).status_code == 404
 
 
+def test_a_converted_gguf_is_listed_once_under_its_sources_name(paths, tmp_path, monkeypatch):
+    """The embedded model's conversions (current and stale) are caches of its GGUF: /v1/models lists
+    `smollm2-135m` only, not also the conversion directories."""
+    monkeypatch.setenv("MACINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    conversions = tmp_path / "home" / "models"
+    conversions.mkdir(parents=True)
+    for key in ("89126f2891f4", "220d11f96fc0"):
+        (conversions / f"SmolLM2-135M-Instruct.Q4_1-{key}").symlink_to(paths["tiny-llama"], target_is_directory=True)
+    (tmp_path / "home" / "my-qwen3").symlink_to(paths["tiny-qwen3"], target_is_directory=True)
+    listed = local_models()
+    assert "my-qwen3" in listed and "smollm2-135m" in listed
+    assert not [name for name in listed if name.startswith("SmolLM2-135M-Instruct")], listed
+
+
 def test_serve_cli_names_a_bad_model_in_one_line():
     from click.testing import CliRunner
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,8 @@ class EngineConfig:
         kv_memory: KV pool budget, bytes or a string like "2GB"; None for the default.
         num_blocks: exact pool size in blocks (overrides kv_memory; tests, benchmarks).
         block_size: token slots per KV block.
-        max_num_seqs: sequences decoding at once.
+        max_num_seqs: sequences decoding at once; None: 64, fewer for a model with recurrent state
+            whose 64 slots would not fit the KV budget (plan_memory).
         max_num_batched_tokens: tokens per step (prefill chunk size + decodes).
         max_model_len: longest sequence; None for the model's context length.
         verbose: print the KV budget and capacity at start-up.
@@ -62,7 +64,7 @@ class EngineConfig:
     kv_memory: int | str | None = None
     num_blocks: int | None = None
     block_size: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     verbose: bool = False
@@ -82,6 +84,10 @@ class EngineConfig:
     state_snapshot_memory: int | str | None = None
 
     def __post_init__(self):
+        # Whether the caller chose max_num_seqs: a default may be lowered to fit state slots, a choice is not.
+        self.max_num_seqs_given = self.max_num_seqs is not None
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
@@ -93,6 +99,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(default_token_budget(mx.metal.is_available()), self.max_num_seqs)
+
+
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 def default_token_budget(metal: bool) -> int:
@@ -185,7 +194,7 @@ def prefix_store(config: EngineConfig, model_id: str, pool_caches: list, block_s
 
 @dataclass
 class MemoryPlan:
-    """How an engine's KV budget is spent (bytes), and the blocks it buys."""
+    """How an engine's KV budget is spent (bytes), and the blocks and sequences it buys."""
 
     bytes_per_token: int
     bytes_per_block: int
@@ -193,11 +202,17 @@ class MemoryPlan:
     snapshot_bytes: int  # their prefix-cache snapshots
     kv_budget: int
     num_blocks: int
+    max_num_seqs: int  # config.max_num_seqs, or fewer where state slots would not fit (see plan_memory)
 
 
 def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: int, model_type: str,
                 device: dict | None = None) -> MemoryPlan:
     """Budget -> bytes per token and block, state slots and snapshots, and the number of KV blocks.
+
+    A model with recurrent state layers takes a state slot per running sequence out of the budget
+    first. When the default max_num_seqs' slots would not fit, fewer sequences run at once: as many
+    as half the budget holds (one line on stderr says so); a max_num_seqs the caller chose is kept
+    or refused.
 
     device: MLX's Metal device info for the default budget (`default_kv_memory`; tests pass one).
 
@@ -210,26 +225,34 @@ def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: i
     else:
         bytes_per_token = sum(s.bytes_per_token() for s in specs)
     bytes_per_block = bytes_per_token * bs
-    # Recurrent layers (hybrid / SSM models): a state slot per sequence, max_num_seqs of them, out of
-    # the same budget (macinfer.core.state_pool).
     states = getattr(specs, "states", None)
-    state_bytes = config.max_num_seqs * specs.bytes_per_slot if states else 0
-    # With the prefix cache on, their snapshots at block boundaries too (macinfer.core.state_snapshots):
+    per_slot = specs.bytes_per_slot if states else 0
+    seqs = config.max_num_seqs
+    # With the prefix cache on, state snapshots at block boundaries too (macinfer.core.state_snapshots):
     # state_snapshot_memory, or as many as there are slots, at most a quarter of what the slots leave.
     snapshots = bool(states) and config.enable_prefix_cache
     snapshot_bytes = 0
     if snapshots and config.state_snapshot_memory is not None:
         snapshot_bytes = parse_bytes(config.state_snapshot_memory, "the state snapshot memory")
     if config.num_blocks is not None:
+        state_bytes = seqs * per_slot
         if snapshots and config.state_snapshot_memory is None:
             snapshot_bytes = state_bytes
         kv_budget = config.num_blocks * bytes_per_block + state_bytes + snapshot_bytes
-        return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, config.num_blocks)
+        return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, config.num_blocks,
+                          seqs)
     kv_budget = (parse_bytes(config.kv_memory, "the KV memory budget") if config.kv_memory is not None
                  else default_kv_memory(weight_bytes, device))
+    if seqs * per_slot >= kv_budget and not config.max_num_seqs_given and per_slot <= kv_budget // 2:
+        fit = kv_budget // 2 // per_slot
+        print(f"note: {model_type}: the recurrent state of {seqs} sequences ({fmt_bytes(seqs * per_slot, binary=True)}) "
+              f"does not fit the {fmt_bytes(kv_budget, binary=True)} KV budget: at most {fit} sequences run at once "
+              "(raise kv_memory for more)", file=sys.stderr)
+        seqs = fit
+    state_bytes = seqs * per_slot
     if state_bytes >= kv_budget:
         raise MacinferError(
-            f"{model_type}: the recurrent state of {config.max_num_seqs} sequences takes "
+            f"{model_type}: the recurrent state of {seqs} sequences takes "
             f"{fmt_bytes(state_bytes, binary=True)}, more than the {fmt_bytes(kv_budget, binary=True)} "
             "KV budget: raise kv_memory or lower max_num_seqs")
     if snapshots and config.state_snapshot_memory is None:
@@ -240,11 +263,11 @@ def plan_memory(config: EngineConfig, specs, max_model_len: int, weight_bytes: i
             f"the {fmt_bytes(kv_budget, binary=True)} KV budget: lower state_snapshot_memory")
     # The null block counts against the budget; no point holding more than
     # max_num_seqs full-length sequences could fill.
-    most = config.max_num_seqs * -(-max_model_len // bs) + 1
+    most = seqs * -(-max_model_len // bs) + 1
     num_blocks = (min(kv_budget - state_bytes - snapshot_bytes, most * bytes_per_block) // bytes_per_block
                   if bytes_per_block else min(1 << 16, most))  # no attention layers: blocks are free
     if num_blocks < 2:
         raise MacinferError(
             f"a KV budget of {fmt_bytes(kv_budget, binary=True)} holds no {bs}-token block "
             f"({fmt_bytes(bytes_per_block, binary=True)} each): raise kv_memory")
-    return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, num_blocks)
+    return MemoryPlan(bytes_per_token, bytes_per_block, state_bytes, snapshot_bytes, kv_budget, num_blocks, seqs)

@@ -89,7 +89,6 @@ class LLMEngine:
             check_model(ranks, self.specs, model_type)
         self.max_model_len = config.max_model_len or (info.context_length if info is not None else
                                                       getattr(getattr(model, "args", None), "max_position_embeddings", None) or 4096)
-        self.max_num_seqs = config.max_num_seqs
 
         # 1. KV capacity: budget -> blocks (block 0 is the null block), state slots and snapshots.
         self.block_size = bs = config.block_size
@@ -97,6 +96,7 @@ class LLMEngine:
         self.bytes_per_token, self.bytes_per_block = plan.bytes_per_token, plan.bytes_per_block
         self.state_bytes, self.snapshot_bytes, self.kv_budget = plan.state_bytes, plan.snapshot_bytes, plan.kv_budget
         num_blocks = plan.num_blocks if ranks is None else ranks.agree_min(plan.num_blocks)  # each rank's pools fit
+        self.max_num_seqs = plan.max_num_seqs  # fewer than config.max_num_seqs where state slots would not fit
         states = bool(getattr(self.specs, "states", None))
         wire_memory()
 
@@ -112,7 +112,7 @@ class LLMEngine:
         self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs)
         if self.spec is not None:
             check_exact(self.spec.drafter, states, model_type)
-        self.state_pool = StatePool(config.max_num_seqs, self.specs.bytes_per_slot) if states else None
+        self.state_pool = StatePool(self.max_num_seqs, self.specs.bytes_per_slot) if states else None
 
         # 3. The runner: the KV pools and the model's forwards.
         runner_cls = ModelRunner if ranks is None or not ranks.is_leader else LeaderRunner
@@ -153,7 +153,7 @@ class LLMEngine:
     def _make_scheduler(self, stop_checker: StopChecker) -> Scheduler:
         """The scheduler, async or not; with state layers, their slot pool (and snapshots) beside the block pool."""
         config = self.config
-        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.runner.batch_decode)
+        sched_config = SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, self.runner.batch_decode)
         if self.state_pool is None:
             cls = AsyncScheduler if config.async_scheduling else Scheduler
             return cls(sched_config, self.block_pool, stop_checker)
@@ -174,7 +174,7 @@ class LLMEngine:
             f"{self.block_pool.num_usable_blocks} blocks x {self.block_size} tokens = {self.num_tokens_capacity} tokens "
             f"({fmt_bytes(self.bytes_per_token, binary=True)}/token, {len(self.specs)} layers"
             + (f", sliding windows {windows}" if windows else "") + f"); "
-            f"max {self.config.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step; "
+            f"max {self.max_num_seqs} sequences, {self.config.max_num_batched_tokens} tokens/step; "
             f"attention: {self.attention_backend}"
             + (f"; recurrent state: {self.state_pool.num_slots} slots x "
                f"{fmt_bytes(self.state_pool.bytes_per_slot, binary=True)} = {fmt_bytes(self.state_bytes, binary=True)} "

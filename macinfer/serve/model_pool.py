@@ -28,6 +28,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ import mlx.core as mx
 from macinfer.engine.config import default_kv_memory
 from macinfer.modelio.leases import Lease, take
 from macinfer.modelio.registry import find_model, list_models
+from macinfer.paths import cache_dir
 from macinfer.serve.async_engine import AsyncEngine
 from macinfer.serve.schemas import APIError
 from macinfer.units import fmt_bytes, parse_bytes
@@ -282,8 +284,15 @@ def _free(engine: AsyncEngine) -> None:
 
 
 def local_models() -> dict[str, int | None]:
-    """{name: context length} of the models `macinfer ls` lists as downloaded (PoolOptions.discover)."""
-    return {m.name: m.context_length for m in list_models(include_catalog=False) if m.downloaded}
+    """{name: context length} of the models `macinfer ls` lists as downloaded (PoolOptions.discover).
+
+    A converted GGUF (a directory under cache_dir()/models) is a cache of its GGUF file, not a model
+    of its own: it is served under its source's name (the embedded model's is `smollm2-135m`), so
+    listing it too would list one model twice.
+    """
+    conversions = cache_dir() / "models"
+    return {m.name: m.context_length for m in list_models(include_catalog=False)
+            if m.downloaded and not (m.kind == "home" and m.path is not None and Path(m.path).parent == conversions)}
 
 
 def estimate_bytes(spec: str, kv_memory: str | int | None) -> int:
