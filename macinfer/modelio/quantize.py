@@ -1,6 +1,6 @@
 """Quantise a model to grouped affine MLX weights: `macinfer quantize SRC OUT`.
 
-SRC is anything macinfer.loader.resolve accepts (catalog name, MLX / Hugging Face
+SRC is anything macinfer.modelio.loader.resolve accepts (catalog name, MLX / Hugging Face
 directory, .gguf file, HF repo id); OUT is a new MLX model directory that both
 macinfer and `mlx_lm.load` load unchanged.
 

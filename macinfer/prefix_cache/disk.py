@@ -67,7 +67,7 @@ class DiskPrefixStore:
 
     Args:
         directory: this model's directory (created if missing).
-        model_id: the model identity (macinfer.prefix_cache.model_identity).
+        model_id: the model identity (macinfer.prefix_cache.keys.model_identity).
         caches: the engine's PagedKVCache per layer (their k_pool / v_pool).
         block_size: tokens per block.
         max_bytes: size limit of the block files of all models (the directory's parent).

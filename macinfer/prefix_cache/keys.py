@@ -81,7 +81,7 @@ def model_identity(model, info=None, specs=(), block_size: int = 16) -> str:
 
     Args:
         model: the mlx-lm model (its parameters are sampled).
-        info: macinfer.loader.ModelInfo or None (then only the parameters count).
+        info: macinfer.modelio.loader.ModelInfo or None (then only the parameters count).
         specs: the engine's LayerSpecs (KV layout and dtype).
         block_size: tokens per block.
     """

@@ -255,7 +255,7 @@ class DraftModelDrafter:
 
     Args:
         model: the draft, an mlx-lm model sharing the target's tokenizer
-            (macinfer.draft_model.load_draft checks that).
+            (macinfer.spec_decode.draft_model.load_draft checks that).
         num_blocks, block_size: the draft's own block pool.
         name: for messages and stats.
     """
@@ -269,7 +269,7 @@ class DraftModelDrafter:
         self.pool = BlockPool(num_blocks, block_size)
         self.runner = ModelRunner(model, inspect_model(model, name), num_blocks, block_size,
                                   batch_decode=supports_batched_offsets(model))
-        # A head over a subset of the vocabulary (macinfer.draft_model.SubsetHead): rounds take
+        # A head over a subset of the vocabulary (macinfer.core.lm_head.SubsetHead): rounds take
         # the logits of its kept columns only, and pick_kept widens them where q is needed.
         head = getattr(model, "lm_head", None)
         self.head = head if hasattr(head, "expand") and hasattr(head, "ids") else None
