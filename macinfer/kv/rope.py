@@ -26,6 +26,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from macinfer.kv.paged_cache import current_forward
+
 
 def _rope_args(module) -> tuple | None:
     """(dims, traditional, base, scale, freqs) of a RoPE that is a plain mx.fast.rope call, else None."""
@@ -107,8 +109,6 @@ class SharedRoPE(nn.Module):
         self._args = _rope_args(inner)
 
     def __call__(self, x: mx.array, offset=0):
-        from macinfer.kv.paged_cache import current_forward
-
         ctx = current_forward()
         # The paged cache hands out ctx.offsets itself; anything else is not our forward.
         if ctx is None or offset is not ctx.offsets:
