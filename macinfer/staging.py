@@ -9,8 +9,10 @@ Design choices:
 - The staging directory is a sibling of `out` (same filesystem, so the rename is atomic)
   and is made with mkdir, so it gets the umask's mode like any other directory the user
   creates (tempfile.mkdtemp's is 0700, which other users and processes cannot read).
-- Replacing an existing `out` takes two renames (out -> .old, staging -> out); if the
-  second fails, the first is undone, so `out` is never left missing by an error.
+- Replacing an existing `out` takes two renames (out -> .old, staging -> out); if anything
+  interrupts them (an error, Ctrl+C, a signal's exception) after the first, it is undone, so
+  `out` is never left missing: the .old name is chosen before the first rename, and the restore
+  checks the disk, not how far the code got.
 - A killed writer leaves its `.partial` behind; `remove_stale` removes those not touched
   for an hour on the next start (a live writer touches its directory as it adds files).
 """
@@ -55,18 +57,16 @@ def replace_dir(tmp: Path, out: Path) -> None:
     Raises:
         OSError: the rename failed (then `out` is as it was).
     """
-    old = None
-    if out.exists():
-        old = _sibling(out, "old")
-        out.rename(old)
+    old = _sibling(out, "old")
     try:
+        if out.exists():
+            out.rename(old)
         tmp.rename(out)
     except BaseException:
-        if old is not None:
+        if old.exists() and not out.exists():  # interrupted between the renames: the old output back
             old.rename(out)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale(directory: Path, pattern: str, max_age: float = STALE_SECONDS) -> int:

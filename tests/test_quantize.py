@@ -171,8 +171,8 @@ def test_force_replaces_existing_out(tiny_models, tmp_path):
 
 
 def test_force_restores_old_out_when_the_second_rename_fails(tiny_models, tmp_path, monkeypatch):
-    """OUT moved aside, then the new model's rename fails: OUT is the old model again (it used to be
-    left missing, the old model in a hidden `.OUT.old-*`), and nothing else is left behind."""
+    """OUT moved aside, then the new model's rename fails: OUT is the old model again (not left
+    missing, the old model in a hidden `.OUT.*.old`), and nothing else is left behind."""
     import macinfer.staging as staging
 
     src, out = tiny_models("llama"), tmp_path / "q"
@@ -188,6 +188,29 @@ def test_force_restores_old_out_when_the_second_rename_fails(tiny_models, tmp_pa
     monkeypatch.setattr(staging.Path, "rename", failing)
     r = cli(quantize_cmd, src, out, "-b", 4, "--force")
     assert r.exit_code == 1 and "could not write" in r.output and "Traceback" not in r.output
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["q"]
+
+
+def test_force_restores_old_out_when_interrupted_between_the_renames(tiny_models, tmp_path, monkeypatch):
+    """Ctrl+C lands just after OUT was moved aside, before the new model takes its name: the old
+    model is back at OUT, the command fails without a traceback, and nothing else is left behind."""
+    import macinfer.staging as staging
+
+    src, out = tiny_models("llama"), tmp_path / "q"
+    assert cli(quantize_cmd, src, out, "-b", 8).exit_code == 0
+    before = sorted(os.listdir(out))
+    rename = Path.rename
+
+    def interrupted(self, target):
+        done = rename(self, target)
+        if target.name.endswith(".old"):
+            raise KeyboardInterrupt  # delivered right after the first rename returned
+        return done
+
+    monkeypatch.setattr(staging.Path, "rename", interrupted)
+    r = cli(quantize_cmd, src, out, "-b", 4, "--force")
+    assert r.exit_code != 0 and "Traceback" not in r.output
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["q"]
 

@@ -218,6 +218,7 @@ def test_api_key_is_checked_on_every_request(tiny_models):
             client(url).models.list()
         r = httpx.get(url + "/metrics")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")  # RFC 7235: a 401 names its scheme
         c = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.usage.completion_tokens <= 2

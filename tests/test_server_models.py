@@ -255,6 +255,22 @@ def test_a_converted_gguf_is_listed_once_under_its_sources_name(paths, tmp_path,
     assert not [name for name in listed if name.startswith("SmolLM2-135M-Instruct")], listed
 
 
+def test_max_loaded_models_0_serves_the_default_only(paths):
+    """No model besides the default can ever load: other --model refused at start-up in one line (not a
+    503 on every request for them), and nothing else listed."""
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    assert PoolOptions(max_loaded=0, discover=local_models).discover is None
+    with pytest.raises(ValueError, match="serves the default model only"):
+        PoolOptions(others={"tiny-qwen2": str(paths["tiny-qwen2"])}, max_loaded=0)
+    r = CliRunner().invoke(main, ["serve", str(paths["tiny-llama"]), "--model", str(paths["tiny-qwen2"]),
+                                  "--max-loaded-models", "0", "--port", "0"])
+    assert r.exit_code != 0 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert "--max-loaded-models 0 serves the default model only" in r.output
+
+
 def test_serve_cli_names_a_bad_model_in_one_line():
     from click.testing import CliRunner
 

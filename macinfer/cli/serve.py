@@ -74,6 +74,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     """
     from macinfer.llm import LLM
     from macinfer.serve.guard import check_api_key
+    from macinfer.serve.model_pool import PoolOptions
     from macinfer.serve.server import create_app
 
     check_api_key(api_key)  # before the model loads
@@ -81,11 +82,11 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
     specs = ([model] if model else []) + list(models)
     others = _named(specs[1:])  # a typo is found now, not at the first request naming it
+    PoolOptions(others=others, max_loaded=max_loaded_models)  # its refusals before the model loads
     options = engine_options(kv_memory, max_num_seqs)
     llm = LLM(specs[0] if specs else None, dequantize=dequantize, engine=engine, parallel=parallel,
               micro_batches=micro_batches, **options)
-    if hasattr(getattr(llm, "engine", None), "describe"):
-        click.echo(llm.engine.describe(), err=True)
+    click.echo(llm.engine.describe(), err=True)
     import uvicorn
 
     pool = _pool_options(llm, others, local_models, max_loaded_models, models_memory,

@@ -58,7 +58,7 @@ class _RequestChecks:
         if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
                                                                            self.api_key):
             return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                            None, "invalid_api_key")
+                            None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="macinfer"'})
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > self.max_body_bytes:
             return _too_large(self.max_body_bytes)

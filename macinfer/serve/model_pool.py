@@ -86,7 +86,8 @@ class PoolOptions:
         others: {name: spec} of further models to serve (each loaded by `load(spec)`).
         load: an LLM from a model's spec (run on a worker thread).
         discover: {name: context length or None} of the models `macinfer ls` lists, or None.
-        max_loaded: models loaded at once besides the default; None: no limit.
+        max_loaded: models loaded at once besides the default; None: no limit; 0: the default model
+            only (then there are no others to serve or discover: ValueError for `others`).
         memory: bytes the loaded models (the default's included) may take; None: no limit.
         estimate: bytes a model will take once loaded, from its spec (before loading it).
         lease_what: with it, a lease on each loaded model's directory (`macinfer rm` refuses it).
@@ -99,6 +100,13 @@ class PoolOptions:
     memory: int | None = None
     estimate: Callable[[str], int] | None = None
     lease_what: str | None = None
+
+    def __post_init__(self):
+        if self.max_loaded == 0:
+            if self.others:
+                raise ValueError(f"--max-loaded-models 0 serves the default model only, but other models were "
+                                 f"given ({', '.join(self.others)}): leave them out or allow 1 or more")
+            self.discover = None  # nothing besides the default can be loaded: list nothing else
 
 
 class ModelPool:
