@@ -321,11 +321,21 @@ def mlx_generated_source(kernel, launch, tmp_dir) -> str:
     return log.read_text().split("```\n", 1)[1].rsplit("\n```", 1)[0]
 
 
+def without_instantiation(generated: str) -> str:
+    """MLX's source without its closing explicit instantiation, `template [[host_name("...")]] [[kernel]]
+    decltype(f<...>) f<...>;`: g++ ignores attributes there, clang++ (Apple's compiler) rejects them
+    ("an attribute list cannot appear here"). The runner instantiates the template by calling it."""
+    out = re.sub(r"\ntemplate \[\[host_name\(.*?;\n", "\n", generated)
+    assert out != generated, "MLX no longer ends its source with an explicit instantiation"
+    return out
+
+
 def emulator_cpp(key, generated, names=ma.INPUT_NAMES) -> str:
     """MLX's generated kernel plus a runner `run_<key>` that calls it once per GPU thread
     (names: the kernel's input names, ma.QUANT_INPUT_NAMES for quantised pools)."""
     fn, params = re.search(r"\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", generated, re.S).groups()
     targs = re.search(rf"decltype\({fn}<([^>]*)>\)", generated).group(1)
+    generated = without_instantiation(generated)
     call = []
     for param in params.split(",\n"):
         name = re.search(r"(\w+) \[\[", param).group(1)
