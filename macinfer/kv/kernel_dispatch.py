@@ -135,11 +135,11 @@ class KernelDispatch:
         quant = k_pool[3:] if isinstance(k_pool, QuantPool) else None
         return (str(queries.dtype), queries.shape[-1], quant)
 
-    def shape_class(self, queries, k_pool, tables, *, block_size, window=None, chunk=None) -> tuple:
+    def shape_class(self, queries, k_pool, context_lens, *, block_size, window=None, chunk=None) -> tuple:
         kind = self.kind(queries, k_pool)
         B, H, QL, D = queries.shape
-        plan = ma.launch_plan(B, H, QL, k_pool.shape[0], D, block_size, tables.shape[1], window=window, chunk=chunk,
-                              max_simdgroups=self.simdgroups.get(kind, ma.MAX_SIMDGROUPS))
+        plan = ma.launch_plan(B, H, QL, k_pool.shape[0], D, block_size, ma.context_blocks(context_lens, block_size),
+                              window=window, chunk=chunk, max_simdgroups=self.simdgroups.get(kind, ma.MAX_SIMDGROUPS))
         return (*kind, block_size, plan.rows_per_simdgroup, plan.split)
 
     # -- start-up -----------------------------------------------------------------------------
@@ -162,8 +162,9 @@ class KernelDispatch:
             args = ma.random_problem(i, **case)
             failure = self.checked(kind, lambda fn: ma.check_case(fn, self.reference_fn, args))
             if failure:
-                return f"the Metal paged-attention kernel disagrees with the reference or fails " \
-                       f"(class {key}, case {i}: {failure})"
+                verb = "disagrees with the reference" if failure.startswith(("max |diff|", "shape")) else \
+                    "failed to compile or run"
+                return f"the Metal paged-attention kernel {verb} (class {key}, case {i}: {failure})"
         return None
 
     def checked(self, kind: tuple, check) -> str | None:
@@ -202,7 +203,7 @@ class KernelDispatch:
         q, k, v = args["queries"], args["k_pool"], args["v_pool"]
         if self.failed or not ma.kernel_supports(q, k, v, sinks=args.get("sinks"), softcap=args.get("softcap")):
             return False
-        key = self.shape_class(q, k, tables, block_size=args["block_size"], window=args.get("window"),
+        key = self.shape_class(q, k, args["context_lens"], block_size=args["block_size"], window=args.get("window"),
                                chunk=args.get("chunk"))
         self.met.add(key)
         choice = self.choices.get(key)
@@ -282,8 +283,6 @@ def select_attention(mode: str, reference_fn, *, head_dim: int = 64, block_size:
     except Exception as e:
         failures = [f"the Metal paged-attention kernel failed to compile or run ({type(e).__name__}: {e})"]
     failure = failures[0] if failures else None
-    if failure is not None and "disagrees" not in failure and "failed to compile" not in failure:
-        failure = f"the Metal paged-attention kernel failed to compile or run ({failure})"
     if failure is None:
         return dispatch, "metal"
     if mode == "metal":

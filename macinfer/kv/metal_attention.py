@@ -176,6 +176,11 @@ def launch_plan(B: int, H: int, q_len: int, KVH: int, head_dim: int, block_size:
     return LaunchPlan(R, nsg, rps, tile_tokens(head_dim, block_size), -(-span // pb), pb)
 
 
+def context_blocks(context_lens, block_size: int) -> int:
+    """Blocks the longest row's context covers: what `launch_plan` splits (not the padded table width)."""
+    return max((-(-int(c) // block_size) for c in np.asarray(context_lens).reshape(-1)), default=1)
+
+
 def padded_tables(block_tables, context_lens, block_size: int) -> mx.array:
     """Block tables as int32 (B, W), padded with the null block 0 to cover every row's context,
     and to at least CONSTANT_LIMIT entries in all (module NOTE).
@@ -213,17 +218,26 @@ def padded_sinks(sinks, n_heads: int) -> mx.array:
 def np_dequantize(pool: QuantPool, kvh: int, slots: np.ndarray) -> np.ndarray:
     """Rows `slots` of head kvh of a quantised pool, dequantised in float32, as the kernel does per key:
     element d = scale[d // G] * ((codes[d // PER] >> (d % PER) * BITS) & MASK) + bias[d // G], PER = 32 / BITS."""
-    bits, G = pool.bits, pool.group_size
-    D, per = pool.shape[2], 32 // bits
-    d = np.arange(D)
-    words = np.asarray(pool.codes[kvh])[slots][:, d // per]  # (n, D) the word holding each element
-    codes = (words >> ((d % per) * bits).astype(np.uint32)) & np.uint32((1 << bits) - 1)
-    return _np32(pool.scales[kvh])[slots][:, d // G] * codes.astype(np.float32) + _np32(pool.biases[kvh])[slots][:, d // G]
+    return _np_rows(_np_pool(pool), kvh, slots)
+
+
+def _np_pool(pool):
+    """A pool as NumPy arrays, converted once: float32 rows, or a quantised pool's (codes, scales, biases, bits, group)."""
+    if isinstance(pool, QuantPool):
+        return (np.asarray(pool.codes), _np32(pool.scales), _np32(pool.biases), pool.bits, pool.group_size)
+    return _np32(pool)
 
 
 def _np_rows(pool, kvh: int, slots: np.ndarray) -> np.ndarray:
-    """(len(slots), D) float32 K or V rows of head kvh: a float pool's rows, or a quantised pool's dequantised."""
-    return np_dequantize(pool, kvh, slots) if isinstance(pool, QuantPool) else pool[kvh, slots]
+    """(len(slots), D) float32 K or V rows of head kvh of an `_np_pool`: a float pool's rows, or dequantised."""
+    if not isinstance(pool, tuple):
+        return pool[kvh, slots]
+    codes, scales, biases, bits, G = pool
+    per = 32 // bits
+    d = np.arange(codes.shape[2] * per)
+    words = codes[kvh][slots][:, d // per]  # (n, D) the word holding each element
+    q = (words >> ((d % per) * bits).astype(np.uint32)) & np.uint32((1 << bits) - 1)
+    return scales[kvh][slots][:, d // G] * q.astype(np.float32) + biases[kvh][slots][:, d // G]
 
 
 def paged_attention_online(
@@ -252,12 +266,12 @@ def paged_attention_online(
         (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
     """
     q = _np32(queries)
-    kp, vp = (p if isinstance(p, QuantPool) else _np32(p) for p in (k_pool, v_pool))
+    kp, vp = _np_pool(k_pool), _np_pool(v_pool)
     tables = np.asarray(padded_tables(block_tables, context_lens, block_size))
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
     B, H, QL, D = q.shape
-    KVH, BS = kp.shape[0], block_size
-    plan = launch_plan(B, H, QL, KVH, D, BS, tables.shape[1], window=window, chunk=chunk, splits=splits)
+    KVH, BS = k_pool.shape[0], block_size
+    plan = launch_plan(B, H, QL, KVH, D, BS, context_blocks(lens, BS), window=window, chunk=chunk, splits=splits)
     S, PB, TK = plan.splits, plan.blocks_per_split, tile or plan.tile
     G, R = H // KVH, plan.rows
     cap = np.float32(softcap or 0)
@@ -631,7 +645,7 @@ def kernel_call(
     BS = block_size
     tables = padded_tables(block_tables, context_lens, BS)
     KVH = k_pool.shape[0]
-    plan = launch_plan(B, H, QL, KVH, D, BS, tables.shape[1], window=window, chunk=chunk,
+    plan = launch_plan(B, H, QL, KVH, D, BS, context_blocks(context_lens, BS), window=window, chunk=chunk,
                        max_simdgroups=n_simdgroups or MAX_SIMDGROUPS, splits=splits)
     if isinstance(k_pool, QuantPool):
         assert (k_pool.bits, k_pool.group_size) == (v_pool.bits, v_pool.group_size), "K and V quantised alike"
