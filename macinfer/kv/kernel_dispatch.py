@@ -277,6 +277,11 @@ def select_attention(mode: str, reference_fn, *, head_dim: int = 64, block_size:
             raise MacinferError("--attention metal needs Metal (Apple silicon); use auto or reference here")
         return reference_fn, "reference"
     kinds = layers if layers is not None else [layer_kind(d, head_dim) for d in ma.SUPPORTED_DTYPES]
+    if not kinds:
+        if mode == "metal":
+            raise MacinferError("--attention metal: the Metal kernel serves none of this model's attention layers "
+                                "(head sizes differ for K and V, or are not a multiple of 8); use auto or reference")
+        return reference_fn, "reference"
     dispatch = KernelDispatch(mode, ma.paged_attention_metal, reference_fn, timer)
     try:
         failures = dispatch.prepare(kinds, block_size)
