@@ -128,6 +128,7 @@ class KernelDispatch:
         self.misses = 0  # calls of a class nobody prepared (they use the reference)
         self.failed: str | None = None  # the error that turned the kernel off
         self._forward: tuple | None = None  # (tables, lens, sinks by layer): the arrays of the current forward
+        self.diffs: dict[str, float] = {}  # the checks' largest |kernel - reference| per dtype (macinfer doctor)
 
     # -- keys ---------------------------------------------------------------------------------
     @staticmethod
@@ -160,7 +161,7 @@ class KernelDispatch:
         kind, BS, rps, split = key[:3], key[3], key[4], key[5]
         for i, case in enumerate(class_cases(kind, BS, rps, split)):
             args = ma.random_problem(i, **case)
-            failure = self.checked(kind, lambda fn: ma.check_case(fn, self.reference_fn, args))
+            failure = self.checked(kind, lambda fn: ma.check_case(fn, self.reference_fn, args, self.diffs))
             if failure:
                 verb = "disagrees with the reference" if failure.startswith(("max |diff|", "shape")) else \
                     "failed to compile or run"

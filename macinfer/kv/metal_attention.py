@@ -732,15 +732,19 @@ def random_problem(
     )
 
 
-def check_case(kernel_fn: AttentionFn, reference_fn: AttentionFn, args: dict) -> str | None:
+def check_case(kernel_fn: AttentionFn, reference_fn: AttentionFn, args: dict, diffs: dict | None = None) -> str | None:
     """Run kernel_fn and reference_fn on one problem, evaluated: None if they agree within
-    `TOLERANCE` of the queries' dtype, else what differed. Exceptions from kernel_fn propagate."""
+    `TOLERANCE` of the queries' dtype, else what differed. Exceptions from kernel_fn propagate.
+    diffs: if given, diffs[dtype name] keeps the largest |difference| seen."""
     got = kernel_fn(**args).astype(mx.float32)
     want = reference_fn(**args).astype(mx.float32)
     mx.eval(got, want)
     tol = TOLERANCE[args["queries"].dtype]
     if got.shape != want.shape:
         return f"shape {got.shape} != {want.shape}"
+    if diffs is not None:
+        name = str(args["queries"].dtype).split(".")[-1] + (" kv8" if isinstance(args["k_pool"], QuantPool) else "")
+        diffs[name] = max(diffs.get(name, 0.0), mx.abs(got - want).max().item())
     if not mx.allclose(got, want, rtol=tol, atol=tol).item():
         return f"max |diff| {mx.abs(got - want).max().item():.3g} > {tol}"
     return None
