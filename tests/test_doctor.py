@@ -185,3 +185,21 @@ def test_decode_check_reports_bandwidth_utilisation(tiny_models, monkeypatch):
     assert f["peak_bandwidth_gbps"] == 100 and f["peak_bandwidth_source"].startswith("env")
     assert f["bandwidth_utilisation"] == pytest.approx(f["bytes_per_decode_step"] * f["decode_tps"] / 100e9, rel=0.05)
     assert "8 tokens" in result["summary"] and "% of 100.0 GB/s" in result["summary"]
+
+
+def test_mac_check_dry_run_prints_every_step():
+    """scripts/mac_check.sh --dry-run: every step's command, what this host would skip and why; nothing run."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    p = subprocess.run(["bash", str(root / "scripts" / "mac_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert p.returncode == 0, p.stderr
+    steps = [line.split("]")[0][3:] for line in p.stdout.splitlines() if line.startswith("+ [")]
+    assert steps == ["install", "doctor", "metal_tests", "emulator", "metal_compile", "attention_timing",
+                     "bench_embedded", "bench_catalog", "report"]
+    assert "scripts/install.sh --test" in p.stdout and "doctor --json" in p.stdout and "xcrun" in p.stdout
+    assert "--compare mlx-lm" in p.stdout
+    if not mx.metal.is_available():
+        skipped = [line for line in p.stdout.splitlines() if "# on this host: skipped" in line]
+        assert len(skipped) == 4 and all("Metal" in s or "xcrun" in s for s in skipped)
