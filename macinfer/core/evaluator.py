@@ -29,8 +29,10 @@ Invariants in threaded mode:
   `stream`: results of a launched step are read only after `Job.wait()`, and any other
   evaluation (a synchronous step, writing blocks to disk) comes after `drain()`. A forward that
   evaluates while it is built (a model whose source reads arrays back, see
-  macinfer.kv.model_probe.forward_evaluates; a kernel dispatch checking a new shape class) is
-  built only after `drain()` and launched inline, or the engine is not threaded at all.
+  macinfer.kv.model_probe.forward_evaluates) is built only after `drain()` and launched inline,
+  or the engine is not threaded at all; so is a forward through the attention hook
+  (ForwardContext.attention_fn: the Metal kernel, which evaluates nothing there since its shape
+  classes are checked at start-up, or a test's stand-in, which may).
 - Jobs run in launch order; a job drops its arrays once evaluated, so the next step's writes
   into the KV pools can reuse their buffers (a pool referenced twice would be copied).
 """
