@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install macinfer and its embedded default model (SmolLM2-135M-Instruct).
-# On Linux also installs the system OpenBLAS (MLX's CPU float32 matmuls get 20-50x faster).
+# On Linux also installs the system OpenBLAS (MLX's CPU float32 matmuls get 20-50x faster), and with
+# --test clang (the Metal kernel's emulator is built with it).
 #
 # Usage: scripts/install.sh [--test] [--dry-run]
 #   --test     also pytest and the test extras, into the python3 that runs `python3 -m pytest`
@@ -79,6 +80,16 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/lib
     { run $SUDO apt-get update -qq && run $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null; } \
       || echo "warning: could not install OpenBLAS; MLX will use its slow bundled BLAS"
   fi
+fi
+
+# 3b. clang (Linux, --test): the suite builds the Metal kernel's C++ emulator with clang++ too, the compiler
+#     family of Apple's toolchain (without it, g++ alone, and the clang build test is skipped).
+if [ "$TEST" -eq 1 ] && [ "$(uname -s)" = "Linux" ] && ! command -v clang++ >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "installing clang (the tests build the Metal kernel's emulator with it)..."
+  { run $SUDO apt-get update -qq && run $SUDO apt-get install -y -qq clang >/dev/null; } \
+    || echo "warning: could not install clang; the Metal emulator is built with g++ only"
 fi
 
 # 4. The environment pip installs into.

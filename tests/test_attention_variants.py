@@ -334,19 +334,22 @@ def test_llama4_chunks_and_query_scaling_are_what_decide(family):
 def test_llama4_decodes_through_the_kernel_dispatch(family, kv_bits):
     """The kernel's path for chunked layers: a KernelDispatch over the kernel's algorithm (NumPy; 8-bit KV:
     QuantPools, dequantised per key) checks each class with its chunk and gives the reference engine's tokens."""
-    from macinfer.kv.kernel_dispatch import KernelDispatch
+    from macinfer.kv.kernel_dispatch import KernelDispatch, attention_layers
 
     model, tok = family("llama4", text_config={**LLAMA4["text_config"], "head_dim": 32})  # 8-bit KV: groups of 32
     prompts = prompts_for("llama4")[:3]
     chunks = []
 
-    def kernel(queries, k_pool, v_pool, *a, n_simdgroups=None, **k):
+    def kernel(queries, k_pool, v_pool, *a, n_simdgroups=None, lens=None, sink_array=None, **k):
         chunks.append(k.get("chunk"))
-        return ma.paged_attention_online(queries, k_pool, v_pool, *a, n_partitions=2, **k)
+        return ma.paged_attention_online(queries, k_pool, v_pool, *a, splits=2, **k)
 
     def tokens(dispatch):
         engine = LLMEngine(model, tok, None, num_blocks=40, block_size=4, max_num_batched_tokens=16,
                            max_num_seqs=4, kv_bits=kv_bits)
+        if dispatch is not None:  # what select_attention does at start-up
+            assert dispatch.prepare(attention_layers(engine.specs, kv_bits), 4) == []
+            chunks.clear()  # the start-up checks' own chunks
         engine.runner.ctx.attention_fn = dispatch
         results = run(engine, [(0, p, SamplingParams(max_tokens=6, ignore_eos=True), f"r{i}")
                                for i, p in enumerate(prompts)])
@@ -355,7 +358,7 @@ def test_llama4_decodes_through_the_kernel_dispatch(family, kv_bits):
     dispatch = KernelDispatch("metal", kernel, paged_attention, timer=lambda fn: 0.0)
     assert tokens(dispatch) == tokens(None)
     assert set(chunks) == {6, None}  # the chunked layers' calls carry their chunk, the global layer's none
-    assert set(dispatch.choices.values()) == {"kernel"} and {key[8] for key in dispatch.choices} == {6, None}
+    assert set(dispatch.choices.values()) == {"kernel"} and dispatch.misses == 0 and dispatch.met
 
 
 def mlx_lm_visible(window: int, steps: list[int]) -> dict[int, list[int]]:
@@ -516,49 +519,31 @@ def test_reference_softcap_matches_direct_computation(context_lens, q_len, windo
     want = softcapped_numpy(args, 2.0)
     got = paged_attention(**args, softcap=2.0)
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, softcap=2.0, n_partitions=3)), want,
+    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, softcap=2.0, splits=3)), want,
                                rtol=2e-5, atol=2e-5)
     assert not np.allclose(np.array(paged_attention(**args)), want, atol=1e-2)  # the cap changed the answer
 
 
 def test_metal_kernel_softcap_in_emulator(tmp_path):
-    """METAL_SOURCE with soft-capping, compiled as C++ and run in tests/test_metal_attention.py's emulator."""
-    import ctypes
-    import math
-    import shutil
-    import subprocess
+    """The kernel with soft-capping, compiled as C++ and run in the emulator (tests/metal_emulator.py)."""
+    import metal_emulator as me
 
-    from test_metal_attention import SHIM, _compile_flags, emulator_cpp, mlx_generated_source
-
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ to build the Metal-source emulator")
+    if me.compiler() is None:
+        pytest.skip("needs clang++ or g++ to build the Metal-source emulator")
+    emu = me.Emulator(tmp_path)
     args = ma.random_problem(5, context_lens=[3 * 8 + 2, 8, 45], q_len=2, n_heads=4, n_kv_heads=2, head_dim=32,
                              block_size=8, window=13, softcap=2.0)
     args["queries"] = args["queries"] * 4
-    launch = ma.kernel_launch(**args, n_simdgroups=2)
-    assert float(launch["inputs"][ma.INPUT_NAMES.index("softcap")][0]) == 2.0
-    src = mlx_generated_source(ma.build_kernel(), launch, tmp_path)
-    (tmp_path / "k.cpp").write_text(SHIM + emulator_cpp("cap", src))
-    build = subprocess.run(["g++", *_compile_flags(), "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    call = ma.kernel_call(**args)
+    assert float(call.pass1["inputs"][ma.INPUT_NAMES.index("fparams")][1]) == 2.0
 
-    def emulate(launch):
-        ins = [np.ascontiguousarray(np.array(a)) for a in launch["inputs"]]
-        shapes = [np.array(a.shape, np.int32) for a in ins]
-        out = np.zeros(launch["output_shapes"][0], np.float32)
-        int_p = ctypes.POINTER(ctypes.c_int)
-        _, gy, gz = (math.ceil(g / t) for g, t in zip(launch["grid"], launch["threadgroup"]))
-        assert lib.run_cap((ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins]),
-                           (int_p * len(ins))(*[s.ctypes.data_as(int_p) for s in shapes]),
-                           ctypes.c_void_p(out.ctypes.data), gy, gz) == 0
-        return out
+    def emulate(call):
+        return np.array(emu.run(ma.build_kernel("float"), call.pass1, ma.INPUT_NAMES)[0])
 
     want = softcapped_numpy(args, 2.0)
-    np.testing.assert_allclose(emulate(launch), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, n_partitions=2)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(emulate(call), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(ma.paged_attention_online(**args, splits=2)), want, rtol=1e-5, atol=1e-5)
     # The same compiled kernel without a cap (softcap input 0) is plain attention again.
-    plain = ma.kernel_launch(**{**args, "softcap": None}, n_simdgroups=2)
+    plain = ma.kernel_call(**{**args, "softcap": None})
     np.testing.assert_allclose(emulate(plain), np.array(paged_attention(**{**args, "softcap": None})),
                                rtol=1e-5, atol=1e-5)

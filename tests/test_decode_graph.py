@@ -1,5 +1,10 @@
 """Compiled decode forwards (macinfer.core.decode_graph): the same tokens as mlx-lm, few traces, and the
-guards that turn compiling off when a replay could be wrong."""
+guards that turn compiling off when a replay could be wrong; and the evaluator's Metal configuration.
+
+Every test runs twice: with the engine's defaults on MLX's CPU backend and on Metal, faked by what the
+engine asks of the host (evaluator.threads_pay_off, evaluator.settles). A test that needs the decode
+graph asks for the eval thread itself: on Metal the engine does not use it by default.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,21 @@ import pytest
 from test_engine import assert_all_free, oracle, run
 from test_hybrid import hybrid  # noqa: F401 - a fixture
 
+import macinfer.engine.llm_engine as llm_engine
+from macinfer.core import evaluator
 from macinfer.core.decode_graph import batch_bucket, block_bucket
 from macinfer.core.sampling import SamplingParams
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.kv.paged_cache import current_forward
+
+
+@pytest.fixture(params=["cpu", "metal"], autouse=True)
+def host(request, monkeypatch):
+    """The engine's host: MLX's CPU backend or Metal (faked: threads do not pay off, launches settle)."""
+    metal = request.param == "metal"
+    monkeypatch.setattr(llm_engine, "threads_pay_off", lambda: not metal)
+    monkeypatch.setattr(evaluator, "settles", lambda: metal)
+    return request.param
 
 
 def test_buckets():
@@ -24,8 +40,9 @@ def test_buckets():
 
 
 def _engine(model, tok, compile_decode=True, **kw):
+    # The decode graph needs the eval thread, which is not the default on Metal.
     return LLMEngine(model, tok, None, num_blocks=96, block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
-                     compile_decode=compile_decode, **kw)
+                     compile_decode=compile_decode, eval_thread=True, **kw)
 
 
 def _plan(vocab: int, seed: str):
@@ -107,7 +124,8 @@ def test_a_forward_reading_host_data_runs_eagerly(load, via_memo):
 def test_pools_are_written_in_place(load):
     """The pools go in and come out of the compiled graph: a step must not copy them."""
     model, tok = load("llama")
-    engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=4, compile_decode=True)
+    engine = LLMEngine(model, tok, None, num_blocks=4096, block_size=16, max_num_seqs=4, compile_decode=True,
+                       eval_thread=True)
     for i in range(4):
         engine.add_request(list(range(3, 40 + i)), SamplingParams(max_tokens=12, ignore_eos=True), request_id=str(i))
     for _ in range(3):
@@ -121,19 +139,85 @@ def test_pools_are_written_in_place(load):
     assert mx.get_peak_memory() - before < 0.25 * engine.runner.kv_bytes  # a copy of the pools would add all of it
 
 
-def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypatch, capsys):
+def test_option_is_validated_and_auto_compiles_small_models_only(load, monkeypatch, capsys, host):
     import macinfer.core.decode_graph as decode_graph
 
     model, tok = load("llama")
     with pytest.raises(ValueError, match="compile_decode"):
         LLMEngine(model, tok, None, num_blocks=8, compile_decode="yes")
     assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=False).runner.decode_graph is None
-    assert LLMEngine(model, tok, None, num_blocks=8).runner.decode_graph is not None  # no Metal here
+    default = LLMEngine(model, tok, None, num_blocks=8)
+    assert (default.runner.decode_graph is not None) == (host == "cpu")  # by default on the CPU backend only
+    assert default.runner.evaluator.threaded == (host == "cpu") and default.runner.evaluator.settle == (host == "metal")
     monkeypatch.setattr(decode_graph, "SMALL_MODEL_BYTES", 1 << 10)
     assert LLMEngine(model, tok, None, num_blocks=8).runner.decode_graph is None
-    assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=True).runner.decode_graph is not None
+    assert LLMEngine(model, tok, None, num_blocks=8, compile_decode=True, eval_thread=True).runner.decode_graph is not None
     # Without the eval thread (mx.async_eval pipelining), never: a compiled step could copy the whole pool.
     assert LLMEngine(model, tok, None, num_blocks=8, eval_thread=False).runner.decode_graph is None
     capsys.readouterr()
     assert LLMEngine(model, tok, None, num_blocks=8, eval_thread=False, compile_decode=True).runner.decode_graph is None
     assert capsys.readouterr().err == "note: compile_decode is off: it needs the eval thread (eval_thread=True)\n"
+
+
+# ---------------------------------------------------------------- the evaluator on Metal
+
+
+def test_the_eval_thread_runs_the_model_on_the_default_device(monkeypatch):
+    """eval_thread=True on a Mac must evaluate on the GPU: its thread-unsafe stream is on the default device
+    (it was always the CPU's). Faked here: the default device is the GPU, and MLX's stream factory records
+    what it is asked for (a GPU stream cannot be made without Metal)."""
+    asked = []
+    make = mx.new_thread_unsafe_stream
+
+    def new_stream(device):
+        asked.append(device)
+        return make(mx.cpu)
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "new_thread_unsafe_stream", new_stream)
+    monkeypatch.setattr(evaluator, "_free_streams", [])
+    ev = evaluator.StepEvaluator(threaded=True)
+    assert asked == [mx.gpu] and ev.stream is not None
+
+
+def test_metal_launches_wait_for_the_step_before(load, host, monkeypatch):
+    """With mx.async_eval pipelining on Metal each launch first waits for the step before (whose attention
+    still holds the KV pools the new step writes), and the tokens are mlx-lm's. Only a Mac shows the copy
+    it avoids (test_pipelined_decode_writes_the_pools_in_place_on_metal)."""
+    model, tok = load("llama")
+    order = []
+    sync, launch = mx.synchronize, mx.async_eval
+    monkeypatch.setattr(mx, "synchronize", lambda *a: (order.append("wait"), sync(*a))[1])
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (order.append("launch"), launch(*a))[1])
+    engine = LLMEngine(model, tok, None, num_blocks=96, block_size=4, max_num_seqs=4, eval_thread=False)
+    plan = _plan(model.args.vocab_size, "settle")[:3]
+    got = run(engine, plan)
+    seen = list(order)  # mlx-lm's generate_step (the oracle) launches with mx.async_eval too
+    for _, prompt, params, rid in plan:
+        assert got[rid][0].token_ids == oracle(model, prompt, params.max_tokens)[0], rid
+    launches = [i for i, x in enumerate(seen) if x == "launch"]
+    assert len(launches) > 10
+    if host == "metal":
+        assert all(seen[i - 1] == "wait" for i in launches)
+    else:
+        assert "wait" not in seen
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal: MLX holds a command buffer's inputs there")
+@pytest.mark.parametrize("host", ["metal"], indirect=True)
+def test_pipelined_decode_writes_the_pools_in_place_on_metal(load):
+    """On a Mac, with the engine's default pipelining (mx.async_eval, no eval thread): a step must not copy the
+    KV pools (a copy of one layer's pools would add a fifth of them all here)."""
+    model, tok = load("llama")
+    engine = LLMEngine(model, tok, None, num_blocks=8192, block_size=16, max_num_seqs=4)
+    assert not engine.runner.evaluator.threaded and engine.runner.evaluator.settle
+    for i in range(4):
+        engine.add_request(list(range(3, 40 + i)), SamplingParams(max_tokens=24, ignore_eos=True), request_id=str(i))
+    for _ in range(3):
+        engine.step()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    while engine.has_unfinished():
+        engine.step()
+    assert mx.get_peak_memory() - before < 0.1 * engine.runner.kv_bytes

@@ -106,12 +106,17 @@ def test_stdout_is_only_the_json_object_in_a_real_process(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+def reference_kernel(*args, n_simdgroups=None, lens=None, sink_array=None, **kw):
+    """'The kernel': the engine's reference behind the kernel's signature."""
+    return paged_attention(*args, **kw)
+
+
 @pytest.fixture
 def fake_metal(monkeypatch):
     """Pretend Metal is here, with the engine's reference as 'the kernel' and small grids."""
     monkeypatch.setattr(ma, "metal_available", lambda: True)
-    monkeypatch.setattr(ma, "build_kernel", lambda quantized=False: None)
-    monkeypatch.setattr(ma, "paged_attention_metal", paged_attention)
+    monkeypatch.setattr(ma, "build_kernel", lambda kind="float": None)
+    monkeypatch.setattr(ma, "paged_attention_metal", reference_kernel)
     monkeypatch.setattr(doctor, "GRID_HEAD_DIMS", (64,))
     monkeypatch.setattr(doctor, "GRID_BLOCK_SIZES", (16,))
     monkeypatch.setattr(doctor, "TIMING_BATCHES", (1, 2))
@@ -122,7 +127,8 @@ def test_kernel_checks_on_a_mac(fake_metal):
     results = {r["name"]: r for r in doctor.run_checks(quick=True)}
     check = results["kernel_self_check"]
     assert check["status"] == "ran", check
-    assert check["figures"]["cases"] == 2 * len(ma.SUPPORTED_DTYPES) * len(ma.self_check_cases(16, 64))
+    kinds = 2 * len(ma.SUPPORTED_DTYPES)  # float and 8-bit KV pools, three dtypes
+    assert check["figures"]["classes"] == kinds * 6 and check["figures"]["cases"] == kinds * 6 * 3
     assert set(check["figures"]["max_abs_diff"]) == {f"{t}{q}" for t in ("float32", "float16", "bfloat16")
                                                      for q in ("", " kv8")}
     timing = results["kernel_timing"]
@@ -136,7 +142,7 @@ def test_kernel_checks_on_a_mac(fake_metal):
 
 def test_a_wrong_kernel_fails_its_check_and_is_not_timed(fake_metal, monkeypatch):
     def wrong(*args, **kw):
-        return paged_attention(*args, **kw) + 0.5
+        return reference_kernel(*args, **kw) + 0.5
 
     monkeypatch.setattr(ma, "paged_attention_metal", wrong)
     r = invoke("--quick")
@@ -146,6 +152,23 @@ def test_a_wrong_kernel_fails_its_check_and_is_not_timed(fake_metal, monkeypatch
     assert "disagrees with the reference" in lines["kernel_self_check"]
     assert lines["kernel_timing"].split()[1] == "skipped"
     assert "self-check" in lines["kernel_timing"]
+
+
+def test_a_pipeline_thread_limit_is_retried_as_the_engine_does(fake_metal, monkeypatch):
+    """MLX refuses a 256-thread dispatch where a pipeline allows 192: the engine retries at that limit, so
+    doctor must too, and say so (it reported a failure the engine recovers from)."""
+    def limited(*args, n_simdgroups=None, **kw):
+        if 32 * (n_simdgroups or ma.MAX_SIMDGROUPS) > 192:  # MLX's own message (custom_kernel.cpp)
+            raise ValueError(f"Thread group size ({32 * n_simdgroups}) is greater than  the maximum allowed "
+                             "threads per threadgroup (192).")
+        return reference_kernel(*args, **kw)
+
+    monkeypatch.setattr(ma, "paged_attention_metal", limited)
+    results = {r["name"]: r for r in doctor.run_checks(quick=True)}
+    check = results["kernel_self_check"]
+    assert check["status"] == "ran", check
+    assert set(check["figures"]["thread_limited"].values()) == {192} and "lowered" in check["summary"]
+    assert results["kernel_timing"]["status"] == "ran", results["kernel_timing"]
 
 
 def test_decode_check_reports_bandwidth_utilisation(tiny_models, monkeypatch):
@@ -162,3 +185,21 @@ def test_decode_check_reports_bandwidth_utilisation(tiny_models, monkeypatch):
     assert f["peak_bandwidth_gbps"] == 100 and f["peak_bandwidth_source"].startswith("env")
     assert f["bandwidth_utilisation"] == pytest.approx(f["bytes_per_decode_step"] * f["decode_tps"] / 100e9, rel=0.05)
     assert "8 tokens" in result["summary"] and "% of 100.0 GB/s" in result["summary"]
+
+
+def test_mac_check_dry_run_prints_every_step():
+    """scripts/mac_check.sh --dry-run: every step's command, what this host would skip and why; nothing run."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    p = subprocess.run(["bash", str(root / "scripts" / "mac_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert p.returncode == 0, p.stderr
+    steps = [line.split("]")[0][3:] for line in p.stdout.splitlines() if line.startswith("+ [")]
+    assert steps == ["install", "doctor", "metal_tests", "emulator", "metal_compile", "attention_timing",
+                     "bench_embedded", "bench_catalog", "report"]
+    assert "scripts/install.sh --test" in p.stdout and "doctor --json" in p.stdout and "xcrun" in p.stdout
+    assert "--compare mlx-lm" in p.stdout
+    if not mx.metal.is_available():
+        skipped = [line for line in p.stdout.splitlines() if "# on this host: skipped" in line]
+        assert len(skipped) == 4 and all("Metal" in s or "xcrun" in s for s in skipped)

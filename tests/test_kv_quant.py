@@ -93,7 +93,7 @@ def test_kv8_decode_through_the_kernel_hook_reads_quantised_pools(model32):
 
     def kernel(queries, k_pool, v_pool, *a, **k):
         pools.append((type(k_pool), type(v_pool)))
-        return ma.paged_attention_online(queries, k_pool, v_pool, *a, n_partitions=3, **k)
+        return ma.paged_attention_online(queries, k_pool, v_pool, *a, splits=3, **k)
 
     hooked.runner.ctx.attention_fn = kernel
     prompts = [tok.encode(p) for p in PROMPTS[:2]]

@@ -2,43 +2,44 @@
 
 Nothing here runs on Metal. Three oracles instead:
 - a tiny gather + SDPA (below): the NumPy algorithm reference must match it;
-- the NumPy algorithm reference: METAL_SOURCE, compiled as C++ against a shim of
-  the Metal built-ins and run by a small SIMT emulator (32-lane simdgroups as
-  fibers, simd_sum and threadgroup_barrier as sync points), must match it;
-- monkeypatched kernels for the selection logic (compile failure, run failure,
-  mismatch, and a correct kernel).
+- the NumPy algorithm reference: the kernels' source as MLX generates it, compiled as C++
+  against a shim of the Metal built-ins and run by a small SIMT emulator (tests/metal_emulator.py,
+  built with clang++, Apple's compiler, where present), must match it; the emulator also counts
+  the K/V bytes each kernel reads;
+- monkeypatched kernels for the selection logic (compile failure, run failure, mismatch, and
+  the emulated kernel).
+The full grid (every head size, block size, dtype and KV bits) is scripts/metal_emulator_grid.py.
 """
 
-import contextlib
-import ctypes
 import math
-import os
-import re
 import shutil
-import subprocess
-import sys
+import tempfile
 import warnings
+from pathlib import Path
 
+import metal_emulator as me
+import metal_kernel_v1
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from macinfer.errors import MacinferError
 from macinfer.kv import kernel_dispatch as kd
 from macinfer.kv import metal_attention as ma
 from macinfer.kv.paged_attention import QuantPool, paged_attention
-from macinfer.errors import MacinferError
 
 
 def gather_sdpa(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None, sinks=None,
-                softcap=None, chunk=None):
+                softcap=None, chunk=None, memo=None):
     """Oracle: gather each row's slots (head-major pools) to contiguous K/V (quantised pools: then
     dequantised, with MLX's own mx.dequantize), then MLX's SDPA (soft-capped scores: by hand,
     tests/test_attention_variants.py checks that one)."""
     B, H, QL, D = queries.shape
     BS = block_size
+    tables = np.asarray(ma.padded_tables(block_tables, context_lens, BS))
     out = []
     for b, C in enumerate(int(c) for c in context_lens):
-        slots = mx.array([int(block_tables[b, pos // BS]) * BS + pos % BS for pos in range(C)])
+        slots = mx.array([int(tables[b, pos // BS]) * BS + pos % BS for pos in range(C)])
         k, v = (p[:, slots][None] if isinstance(p, mx.array) else mx.dequantize(
             *(x[:, slots][None] for x in p[:3]), group_size=p.group_size, bits=p.bits) for p in (k_pool, v_pool))
         pos = mx.arange(C - QL, C)[:, None]
@@ -61,7 +62,7 @@ def poison_unused_slots(args):
     """NaN in every pool slot no query may read: tails of last blocks, null and spare blocks."""
     BS = args["block_size"]
     used = np.zeros(args["k_pool"].shape[1], bool)  # per slot, in every head
-    tables = np.array(args["block_tables"])
+    tables = np.asarray(ma.padded_tables(args["block_tables"], args["context_lens"], BS))
     for b, C in enumerate(args["context_lens"]):
         for pos in range(C):
             used[tables[b, pos // BS] * BS + pos % BS] = True
@@ -93,8 +94,8 @@ def lengths(BS, q_len):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("gqa", [1, 3, 4])
-@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 8])
 def test_reference_matches_gather_sdpa(block_size, gqa, q_len):
     window = None if q_len % 2 else block_size + 3  # windows that start mid-block
     args = ma.random_problem(
@@ -103,7 +104,7 @@ def test_reference_matches_gather_sdpa(block_size, gqa, q_len):
     args = poison_unused_slots(args)
     want = gather_sdpa(**args)
     assert_close(ma.paged_attention_online(**args), want)
-    assert_close(ma.paged_attention_online(**args, n_partitions=3), want)
+    assert_close(ma.paged_attention_online(**args, splits=3, tile=2), want)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 17, 1000])
@@ -111,7 +112,7 @@ def test_reference_windows(window):
     args = poison_unused_slots(ma.random_problem(
         window, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
         block_size=8, window=window))
-    assert_close(ma.paged_attention_online(**args, n_partitions=2), gather_sdpa(**args))
+    assert_close(ma.paged_attention_online(**args, splits=2), gather_sdpa(**args))
 
 
 @pytest.mark.parametrize("chunk,window", [(1, None), (5, None), (8, None), (13, None), (1000, None), (6, 4)])
@@ -120,7 +121,7 @@ def test_reference_chunks(chunk, window):
     args = ma.random_problem(chunk, context_lens=[40, 16, 5], q_len=4, n_heads=4, n_kv_heads=1, head_dim=16,
                              block_size=8, chunk=chunk, window=window)
     want = gather_sdpa(**args)
-    assert_close(ma.paged_attention_online(**poison_unused_slots(dict(args)), n_partitions=2), want)
+    assert_close(ma.paged_attention_online(**poison_unused_slots(dict(args)), splits=2), want)
     assert_close(paged_attention(**args), want)  # the engine's path (its pools hold no NaN: zeros, stale K/V)
     # The same rows as single rows (one-row path: only the chunk's blocks are read).
     for b, C in enumerate(args["context_lens"]):
@@ -150,8 +151,8 @@ def test_reference_accepts_lists_and_keeps_dtype():
 
 def test_reference_matches_engine_paged_attention():
     engine = pytest.importorskip("macinfer.kv.paged_attention")
-    for i, case in enumerate(ma.self_check_cases(block_size=8, head_dim=32)):
-        args = ma.random_problem(i, head_dim=32, block_size=8, **case)
+    for i, case in enumerate(kd.class_cases(kd.layer_kind(mx.float32, 32), 8, 2, True)):
+        args = ma.random_problem(i, **case)
         assert_close(ma.paged_attention_online(**args), engine.paged_attention(**args))
 
 
@@ -171,305 +172,228 @@ def test_padded_row_with_a_short_table_is_read_within_its_table():
     want = paged_attention(**args)
     assert_close(got[0], want[0])
     assert_close(got[1, :, :3], want[1, :, :3])  # the short row's 3 real queries
-    launch = ma.kernel_launch(**{k: v for k, v in args.items()})
-    assert launch["inputs"][3].shape == (2, 5)  # every table covers its row's context
+    call = ma.kernel_call(**args)
+    assert call.pass1["inputs"][3].shape == (2, 5)  # every table covers its row's context
 
 
-# ---------------------------------------------------------------- the Metal source
+# ---------------------------------------------------------------- the launch and the Metal source
 
 
-def test_metal_source_builds_into_kernel_object():
+def test_launch_plan():
+    """Rows per KV head go to simdgroups; long contexts split until the GPU has work, each split >= 256 keys."""
+    plan = ma.launch_plan(1, 32, 1, 8, 128, 16, 256)  # decode, GQA 4, 4096 tokens, one sequence
+    assert (plan.rows, plan.simdgroups, plan.rows_per_simdgroup, plan.tile) == (4, 4, 1, 16)
+    assert (plan.splits, plan.blocks_per_split) == (16, 16)  # 8 KV heads x 16 splits = 128 threadgroups
+    assert ma.launch_plan(32, 32, 1, 8, 128, 16, 256).splits == 1  # 256 threadgroups already
+    assert ma.launch_plan(1, 32, 1, 8, 128, 16, 8).splits == 1  # 128 tokens: too short to split
+    verify = ma.launch_plan(1, 32, 8, 8, 128, 16, 4)  # 8 query tokens, GQA 4: 32 rows
+    assert (verify.simdgroups, verify.rows_per_simdgroup) == (8, 4)
+    assert ma.launch_plan(1, 9, 1, 3, 64, 16, 4).simdgroups == 4  # SmolLM2: 3 rows, 4 simdgroups
+    assert ma.launch_plan(1, 32, 1, 8, 128, 16, 256, window=100).splits == 1  # a window reads 8 blocks at most
+    assert ma.launch_plan(1, 32, 1, 8, 128, 16, 256, max_simdgroups=2).rows_per_simdgroup == 2
+    assert [ma.tile_tokens(d, 16) for d in (64, 128, 256)] == [16, 16, 8]
+    assert ma.tile_tokens(64, 32) == 32 and ma.tile_tokens(40, 8) == 8
+
+
+def test_kernel_call():
+    args = ma.random_problem(0, context_lens=[5, 40], q_len=3, n_heads=6, n_kv_heads=2, head_dim=64, block_size=16)
+    call = ma.kernel_call(**args)
+    # 9 rows per KV head: 8 simdgroups of 32 lanes, 2 rows each; one threadgroup per (KV head, sequence)
+    assert call.pass1["grid"] == (256, 2, 2) and call.pass1["threadgroup"] == (256, 1, 1)
+    assert call.pass1["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("TK", 16), ("RPS", 2),
+                                      ("SPLIT", False)]
+    assert call.reduce is None and call.pipeline == ("float", mx.float32, 64, 16, 16, 2, False)
+    assert [a.dtype for a in call.pass1["inputs"][3:]] == [mx.int32, mx.int32, mx.int32, mx.float32, mx.float32]
+    split = ma.kernel_call(**args, splits=3)
+    assert split.pass1["output_shapes"] == [(2, 6, 3, 3, 66)] and split.reduce["grid"] == (32, 18, 2)
+    q = ma.kernel_call(**ma.random_problem(0, context_lens=[5], head_dim=64, kv_bits=8), n_simdgroups=1)
+    assert q.pass1["template"][-2:] == [("BITS", 8), ("GS", 32)] and q.pass1["threadgroup"] == (32, 1, 1)
+    assert [a.dtype for a in q.pass1["inputs"][:7]] == [mx.float32, mx.uint32, mx.float32, mx.float32, mx.uint32,
+                                                        mx.float32, mx.float32]
+
+
+def test_metal_source_builds_into_kernel_objects():
     ma.build_kernel.cache_clear()
-    assert ma.build_kernel() is not None
+    assert all(ma.build_kernel(kind) is not None for kind in ("float", "quant", "reduce"))
     if not mx.metal.is_available():
         args = ma.random_problem(0, context_lens=[5], block_size=4, head_dim=32)
         with pytest.raises(RuntimeError, match="Metal"):
             mx.eval(ma.paged_attention_metal(**args))
 
 
-def test_launch_config():
-    args = ma.random_problem(0, context_lens=[5, 40], q_len=3, n_heads=6, n_kv_heads=2, head_dim=64, block_size=16)
-    launch = ma.kernel_launch(**args)
-    assert launch["grid"] == (256, 18, 2) and launch["threadgroup"] == (256, 1, 1)  # 256 threads, as vllm-metal
-    assert launch["template"] == [("T", mx.float32), ("D", 64), ("BS", 16), ("NSG", 8)]
-    assert [a.dtype for a in launch["inputs"][3:]] == [mx.int32, mx.int32, mx.float32, mx.int32, mx.float32,
-                                                       mx.float32, mx.int32]  # ... softcap, sinks, chunk
-    assert all(ma.default_simdgroups(d) == 8 for d in (64, 80, 96, 128, 256))
-    assert ma.default_simdgroups(64, max_threads=1024) == 32 and ma.default_simdgroups(256, max_threads=1024) == 16
-    q = ma.kernel_launch(**{**args, **ma.random_problem(0, context_lens=[5], head_dim=64, kv_bits=8)}, n_simdgroups=3)
-    assert q["template"][3:] == [("NSG", 3), ("BITS", 8), ("G", 32)] and q["threadgroup"] == (96, 1, 1)
-    assert [a.dtype for a in q["inputs"][:7]] == [mx.float32, mx.uint32, mx.float32, mx.float32, mx.uint32,
-                                                  mx.float32, mx.float32]
+def test_one_kernel_variant_per_pipeline(tmp_path):
+    """MLX passes an input of fewer than 8 elements in constant memory and names the kernel by it: one
+    sequence (1 length, a 4-entry table) and 9 (9 lengths, 36 entries), 4 heads' sinks and 8, must still
+    compile one kernel. Before the padding the start-up check of a class (its largest batch) compiled a
+    different variant than the calls it admitted."""
+    names = set()
+    for lens, H in (([20], 4), ([20] * 9, 4), ([60, 3, 7, 1, 30], 8)):
+        args = ma.random_problem(0, context_lens=lens, n_heads=H, n_kv_heads=H // 2, head_dim=32, block_size=8,
+                                 sinks=True)
+        call = ma.kernel_call(**args)
+        names.add(me.kernel_name(me.generated_source(ma.build_kernel(call.kind), call.pass1, tmp_path)))
+    assert len(names) == 1, names
+    assert not any(n.endswith(("c", "s")) for n in names.pop().split("_")[:-8]), "a table, length or sink in constant"
 
 
-# A C++ stand-in for the Metal built-ins the kernel uses. Address spaces vanish,
-# `threadgroup` arrays become function statics (one threadgroup runs at a time),
-# and each GPU thread is a fiber that yields at simd_sum / threadgroup_barrier.
-SHIM = r"""
-#if defined(__APPLE__)  // ucontext is an XSI interface there: hidden without _XOPEN_SOURCE
-#define _XOPEN_SOURCE 700
-#define _DARWIN_C_SOURCE
-#endif
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <algorithm>
-#include <ucontext.h>
-#define device
-#define constant
-#define threadgroup static
-typedef unsigned int uint;
-struct uint3 { uint x, y, z; };
-typedef _Float16 float16_t;
-struct bfloat16_t {
-  uint16_t bits;
-  bfloat16_t() = default;
-  bfloat16_t(float f) { uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); bits = u >> 16; }
-  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-namespace metal {
-using std::max;
-inline float exp(float x) { return std::exp(x); }
-namespace precise { inline float tanh(float x) { return std::tanh(x); } }
-}
-enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+# ---------------------------------------------------------------- the emulator
 
-enum { RUNNING, AT_SIMD, AT_BARRIER, DONE };
-struct Fiber { ucontext_t ctx; int state; float val, result; };
-static ucontext_t sched;
-static Fiber* fibers;
-static Fiber* cur;
-static char* stacks;
-static const size_t STACK = 64 * 1024;
-static void (*body)(int);
+NAMES = {"float": ma.INPUT_NAMES, "quant": ma.QUANT_INPUT_NAMES, "reduce": ma.REDUCE_INPUT_NAMES}
 
-float simd_sum(float x) { cur->val = x; cur->state = AT_SIMD; swapcontext(&cur->ctx, &sched); return cur->result; }
-void threadgroup_barrier(mem_flags) { cur->state = AT_BARRIER; swapcontext(&cur->ctx, &sched); }
-static void trampoline(int i) { body(i); fibers[i].state = DONE; }
-
-// Run one threadgroup of n threads (n % 32 == 0); returns 0, or 1 on divergence / deadlock.
-static int run_group(int n, void (*fn)(int)) {
-  if (!fibers) { fibers = new Fiber[1024]; stacks = (char*)std::malloc(1024 * STACK); }
-  body = fn;
-  for (int i = 0; i < n; ++i) {
-    getcontext(&fibers[i].ctx);
-    fibers[i].ctx.uc_stack.ss_sp = stacks + i * STACK;
-    fibers[i].ctx.uc_stack.ss_size = STACK;
-    fibers[i].ctx.uc_link = &sched;
-    makecontext(&fibers[i].ctx, (void (*)())trampoline, 1, i);
-    fibers[i].state = RUNNING;
-  }
-  for (;;) {
-    bool moved = false;
-    for (int sg = 0; sg < n / 32; ++sg) {
-      Fiber* f = fibers + sg * 32;
-      if (f[0].state == AT_BARRIER || f[0].state == DONE) continue;
-      for (int l = 0; l < 32; ++l) { cur = f + l; swapcontext(&sched, &f[l].ctx); }
-      for (int l = 1; l < 32; ++l) if (f[l].state != f[0].state) return 1;  // divergent sync point
-      if (f[0].state == AT_SIMD) {
-        float s = 0; for (int l = 0; l < 32; ++l) s += f[l].val;
-        for (int l = 0; l < 32; ++l) { f[l].result = s; f[l].state = RUNNING; }
-      }
-      moved = true;
-    }
-    if (moved) continue;
-    int done = 0; for (int i = 0; i < n; ++i) done += fibers[i].state == DONE;
-    if (done == n) return 0;
-    if (done) return 1;  // some threads exited while others wait at a barrier
-    for (int i = 0; i < n; ++i) fibers[i].state = RUNNING;  // everyone at the barrier
-  }
-}
-"""
-
-# Metal attributes MLX passes when the source mentions them -> their value in the emulator.
-ATTRIBUTES = {
-    "simdgroup_index_in_threadgroup": "tid / 32",
-    "thread_index_in_simdgroup": "tid % 32",
-    "thread_position_in_threadgroup": "uint3{tid, 0, 0}",
-    "threadgroup_position_in_grid": "uint3{0, gy, gz}",
-}
+NAMES = {"float": ma.INPUT_NAMES, "quant": ma.QUANT_INPUT_NAMES, "reduce": ma.REDUCE_INPUT_NAMES}
+WINDOW_BUG = ma.HEADER.replace("p - W + 1", "p - W")  # an off-by-one the checks must catch
+CHUNK_BUG = ma.HEADER.replace("(p / CH) * CH", "(p / CH) * CH + 1")  # a chunk's first key lost
+SPLIT_BUG = ma.REDUCE_SOURCE.replace("L = simd_sum(L) + metal::exp(sink - M)", "L = simd_sum(L)")  # sinks lost
+assert WINDOW_BUG != ma.HEADER != CHUNK_BUG and SPLIT_BUG != ma.REDUCE_SOURCE
 
 
-@contextlib.contextmanager
-def stdout_fd_to(path):
-    """Redirect file descriptor 1 (where MLX's C++ `verbose` printing goes) to a file."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(path, "wb") as f:
-        os.dup2(f.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+def _bug(kind, name, source=None, header=ma.HEADER):
+    source = source or {"float": ma.PASS1_SOURCE, "quant": ma.QUANT_PASS1_SOURCE}[kind]
+    return {kind: mx.fast.metal_kernel(name=name, input_names=list(NAMES[kind]), output_names=["out"], source=source,
+                                       header=header)}
 
 
-def mlx_generated_source(kernel, launch, tmp_dir) -> str:
-    """The complete Metal source MLX generates for this call (signature included).
-
-    Without Metal a kernel call raises before generating it, except while exporting
-    a function: then MLX records the call, and verbose=True prints the source.
-    """
-    def call(*inputs):
-        return kernel(**{**launch, "inputs": list(inputs)}, verbose=True)[0]
-
-    log = tmp_dir / "verbose.txt"
-    with stdout_fd_to(log):
-        mx.export_function(str(tmp_dir / "kernel.mlxfn"), call, *launch["inputs"])
-    return log.read_text().split("```\n", 1)[1].rsplit("\n```", 1)[0]
+BUGS = {"window": _bug("float", "window_bug", header=WINDOW_BUG), "chunk": _bug("float", "chunk_bug", header=CHUNK_BUG),
+        "qchunk": _bug("quant", "qchunk_bug", header=CHUNK_BUG), "split": _bug("reduce", "split_bug", source=SPLIT_BUG)}
 
 
-def emulator_cpp(key, generated, names=ma.INPUT_NAMES) -> str:
-    """MLX's generated kernel plus a runner `run_<key>` that calls it once per GPU thread
-    (names: the kernel's input names, ma.QUANT_INPUT_NAMES for quantised pools)."""
-    fn, params = re.search(r"\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", generated, re.S).groups()
-    targs = re.search(rf"decltype\({fn}<([^>]*)>\)", generated).group(1)
-    call = []
-    for param in params.split(",\n"):
-        name = re.search(r"(\w+) \[\[", param).group(1)
-        ctype = param.split(f" {name} [[")[0].replace("constant ", "").replace("device ", "").strip()
-        if name in names:
-            call.append(f"({ctype})g_in[{names.index(name)}]")
-        elif name.endswith("_shape"):
-            call.append(f"({ctype})g_shape[{names.index(name[:-6])}]")
-        elif name == "out":
-            call.append(f"({ctype})g_out")
-        else:
-            assert name in ATTRIBUTES, f"the emulator does not model the Metal attribute {name}"
-            call.append(ATTRIBUTES[name])
-    nsg = int(targs.split(",")[3])
-    return f"""
-namespace {key} {{
-{generated}
-static void** g_in; static int** g_shape; static void* g_out; static uint gy, gz;
-static void thread(int i) {{ uint tid = i; {fn}<{targs}>({", ".join(call)}); }}
-}}
-extern "C" int run_{key}(void** in, int** shape, void* out, int groups_y, int groups_z) {{
-  using namespace {key};
-  g_in = in; g_shape = shape; g_out = out;
-  for (gz = 0; gz < (uint)groups_z; ++gz)
-    for (gy = 0; gy < (uint)groups_y; ++gy)
-      if (run_group({32 * nsg}, thread)) return 1;
-  return 0;
-}}
-"""
+def emulated_problems():
+    """(args, kernel_call options, kernel overrides) of every emulator run below, so their pipelines are built in
+    one compiler run (a run not listed here still works: its pipeline is built when it first runs)."""
+    for (BS, D), (QL, gqa, window, chunk) in ((x, y) for x in GRID_SHAPES for y in GRID_ROWS):
+        for splits in (None, 3):
+            yield grid_problem(BS, D, QL, gqa, window, chunk), dict(splits=splits), None
+    for dtype in (mx.float16, mx.bfloat16):
+        yield half_problem(dtype), {}, None
+    for bits, dtype, BS in QUANT_CASES:
+        for masking in ("window", "chunk"):
+            for splits in (None, 2):
+                yield quant_problem(bits, dtype, BS, masking), dict(splits=splits), None
+    for q_len in (1, 2):
+        yield long_problem(q_len), {}, None
+    for gqa in (4, 8):
+        for splits in (None, 4):
+            yield bytes_problem(gqa), dict(splits=splits), None
+    for seed, head_dim in ((s, d) for s in range(2) for d in PROPERTY_HEAD_DIMS):
+        args, splits = property_problem(seed, head_dim)
+        yield args, dict(splits=splits), None
+    for kind in SELECTED_KINDS:
+        for rps in ma.ROWS_PER_SIMDGROUP:
+            for split in (False, True):
+                for i, case in enumerate(kd.class_cases(kind, 16, rps, split)):
+                    args = ma.random_problem(i, **case)
+                    for bug in [None, *BUGS.values()]:
+                        yield args, {}, bug
 
 
-WINDOW_BUG = ma.METAL_SOURCE.replace("p - W + 1", "p - W")  # an off-by-one the self-check must catch
-CHUNK_BUG = ma.METAL_SOURCE.replace("(p / CH) * CH", "(p / CH) * CH + 1")  # a chunk's first key lost
-QUANT_CHUNK_BUG = ma.QUANT_METAL_SOURCE.replace("(p / CH) * CH", "(p / CH) * CH + 1")
-assert WINDOW_BUG != ma.METAL_SOURCE != CHUNK_BUG and QUANT_CHUNK_BUG != ma.QUANT_METAL_SOURCE
-BUGS = (WINDOW_BUG, CHUNK_BUG, QUANT_CHUNK_BUG)
-# What the emulator is built for: key -> (source, dtype, head_dim, block_size, n_simdgroups, kv_bits).
-CONFIGS = {
-    "f32_d32_b8_n3": (ma.METAL_SOURCE, mx.float32, 32, 8, 3, None),
-    "f32_d32_b16_n1": (ma.METAL_SOURCE, mx.float32, 32, 16, 1, None),
-    "f32_d40_b32_n2": (ma.METAL_SOURCE, mx.float32, 40, 32, 2, None),
-    "f16_d64_b16_n8": (ma.METAL_SOURCE, mx.float16, 64, 16, 8, None),
-    "bf16_d64_b16_n8": (ma.METAL_SOURCE, mx.bfloat16, 64, 16, 8, None),
-    "bug_d64_b16_n8": (WINDOW_BUG, mx.float32, 64, 16, 8, None),
-    "chunkbug_d64_b16_n8": (CHUNK_BUG, mx.float32, 64, 16, 8, None),
-    "q8chunkbug_d64_b16_n8": (QUANT_CHUNK_BUG, mx.float32, 64, 16, 8, 8),
-    "q8_f32_d64_b8_n3": (ma.QUANT_METAL_SOURCE, mx.float32, 64, 8, 3, 8),
-    "q4_f32_d64_b8_n2": (ma.QUANT_METAL_SOURCE, mx.float32, 64, 8, 2, 4),
-    "q8_f16_d64_b16_n8": (ma.QUANT_METAL_SOURCE, mx.float16, 64, 16, 8, 8),
-    **{f"f32_d{d}_b16_n8": (ma.METAL_SOURCE, mx.float32, d, 16, 8, None) for d in (64, 80, 96, 128, 256)},
-    **{f"q8_f32_d{d}_b16_n8": (ma.QUANT_METAL_SOURCE, mx.float32, d, 16, 8, 8) for d in (64, 96, 128, 256)},
-}
-
-
-def _kernel_for(key, source, quantized):
-    if source is ma.METAL_SOURCE or source is ma.QUANT_METAL_SOURCE:
-        return ma.build_kernel(quantized)
-    names = ma.QUANT_INPUT_NAMES if quantized else ma.INPUT_NAMES
-    return mx.fast.metal_kernel(name=key, input_names=list(names), output_names=["out"], source=source)
-
-
-def _compile_flags():
-    flags = ["-std=c++20", "-O1", "-shared", "-fPIC", "-Wall", "-Wno-attributes", "-Wno-unused-variable"]
-    return flags + (["-Wno-deprecated-declarations"] if sys.platform == "darwin" else [])  # ucontext on macOS
+def prebuild(emu):
+    for args, options, kernels in emulated_problems():
+        call = ma.kernel_call(**args, **options)
+        get = {**{k: ma.build_kernel(k) for k in NAMES}, **(kernels or {})}
+        emu.key(get[call.kind], call.pass1, NAMES[call.kind])
+        if call.reduce is not None:
+            partials = mx.zeros(call.pass1["output_shapes"][0], mx.float32)
+            emu.key(get["reduce"], {**call.reduce, "inputs": [partials, call.reduce["inputs"][1]]}, NAMES["reduce"])
+    emu.build()
 
 
 @pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """emulator(args, n_simdgroups=None, key=None) -> output of METAL_SOURCE (or QUANT_METAL_SOURCE) run on the CPU."""
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ to build the Metal-source emulator")
-    d = tmp_path_factory.mktemp("metal_emulator")
-    code = [SHIM]
-    for key, (source, dtype, D, BS, NSG, bits) in CONFIGS.items():
-        sample = ma.random_problem(0, context_lens=[3], head_dim=D, block_size=BS, dtype=dtype, kv_bits=bits)
-        generated = mlx_generated_source(_kernel_for(key, source, bits is not None),
-                                         ma.kernel_launch(**sample, n_simdgroups=NSG), d)
-        code.append(emulator_cpp(key, generated, ma.QUANT_INPUT_NAMES if bits else ma.INPUT_NAMES))
-    (d / "kernels.cpp").write_text("".join(code))
-    build = subprocess.run(["g++", *_compile_flags(), "-o", str(d / "kernels.so"), str(d / "kernels.cpp")],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    lib = ctypes.CDLL(str(d / "kernels.so"))
-    by_config = {cfg[1:]: key for key, cfg in CONFIGS.items() if all(cfg[0] is not bug for bug in BUGS)}
-    as_bits = {mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
+def emulator():
+    """emulate(args, kernels=None, **kernel_call options) -> (output, {pool name: bytes read}): the kernels'
+    MLX-generated source run on the CPU (kernels: {"float" | "quant" | "reduce": kernel object} overrides)."""
+    cxx = me.compiler()
+    if cxx is None:
+        pytest.skip("needs clang++ or g++ to build the Metal-source emulator (scripts/install.sh --test installs clang)")
+    emu = me.Emulator(Path(tempfile.gettempdir()) / "macinfer-metal-emulator", cxx)
+    prebuild(emu)
 
-    def run(args, n_simdgroups=None, key=None):
-        launch = ma.kernel_launch(**args, n_simdgroups=n_simdgroups)
-        t = dict(launch["template"])
-        key = key or by_config[(t["T"], t["D"], t["BS"], t["NSG"], t.get("BITS"))]
-        ins = [np.ascontiguousarray(np.array(a.view(as_bits[a.dtype]) if a.dtype in as_bits else a))
-               for a in launch["inputs"]]
-        shapes = [np.array(a.shape, np.int32) for a in ins]
-        out = np.zeros(launch["output_shapes"][0], ins[0].dtype)
-        int_p = ctypes.POINTER(ctypes.c_int)
-        gx, gy, gz = (math.ceil(g / t) for g, t in zip(launch["grid"], launch["threadgroup"]))
-        assert gx == 1
-        rc = getattr(lib, f"run_{key}")(
-            (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins]),
-            (int_p * len(ins))(*[s.ctypes.data_as(int_p) for s in shapes]),
-            ctypes.c_void_p(out.ctypes.data), gy, gz)
-        assert rc == 0, "divergent simd_sum or barrier in the kernel"
-        dtype = launch["output_dtypes"][0]
-        return mx.array(out).view(dtype) if dtype in as_bits else mx.array(out)
+    def emulate(args, kernels=None, **options):
+        call = ma.kernel_call(**args, **options)
+        get = {**{k: ma.build_kernel(k) for k in NAMES}, **(kernels or {})}
+        out, nbytes = emu.run(get[call.kind], call.pass1, NAMES[call.kind])
+        if call.reduce is not None:
+            out, _ = emu.run(get["reduce"], {**call.reduce, "inputs": [out, call.reduce["inputs"][1]]}, NAMES["reduce"])
+        return out, nbytes
 
-    return run
+    emulate.emu = emu
+    return emulate
 
 
-@pytest.mark.parametrize("n_simdgroups,block_size,head_dim", [(3, 8, 32), (1, 16, 32), (2, 32, 40)])
-@pytest.mark.parametrize("q_len,gqa,window,chunk", [(1, 1, None, None), (3, 3, None, None), (2, 4, 11, None),
-                                                    (4, 2, 40, None), (3, 2, None, 13), (1, 1, None, 16)])
-def test_metal_source_matches_reference_in_emulator(emulator, n_simdgroups, block_size, head_dim, q_len, gqa, window,
-                                                    chunk):
-    args = ma.random_problem(
+@pytest.mark.parametrize("cxx", ["g++", "clang++"])
+def test_emulator_builds_with(cxx, tmp_path):
+    """Apple's compiler is clang: MLX's closing `template [[host_name(...)]] [[kernel]] ...;` must not reach it
+    (clang: "an attribute list cannot appear here"); g++ accepts it either way."""
+    if shutil.which(cxx) is None:
+        pytest.skip(f"{cxx} is not installed (scripts/install.sh --test installs clang on Linux)")
+    emu = me.Emulator(tmp_path, shutil.which(cxx))
+    args = ma.random_problem(2, context_lens=[9, 30], q_len=2, n_heads=4, n_kv_heads=2, head_dim=32, block_size=8)
+    call = ma.kernel_call(**args)
+    out, _ = emu.run(ma.build_kernel(call.kind), call.pass1, NAMES[call.kind])
+    assert_close(out, ma.paged_attention_online(**args), tol=2e-6)
+    assert "[[host_name" not in me.emulator_cpp("k", emu.sources.popitem()[1], NAMES["float"])
+
+
+def lengths(BS, q_len):
+    # ending on a block boundary, one past it, one short of it, and the shortest legal row
+    return [2 * BS, 3 * BS + 1, 5 * BS - 1, q_len]
+
+
+GRID_SHAPES = [(8, 32), (16, 40), (32, 64)]  # (block_size, head_dim)
+GRID_ROWS = [(1, 1, None, None), (3, 3, None, None), (2, 4, 11, None), (4, 2, 40, None), (3, 2, None, 13),
+             (1, 8, None, 16), (8, 4, None, None), (4, 8, 9, None)]  # (q_len, gqa, window, chunk)
+
+
+def grid_problem(block_size, head_dim, q_len, gqa, window, chunk):
+    return poison_unused_slots(ma.random_problem(
         q_len * 7 + gqa, context_lens=lengths(block_size, q_len), q_len=q_len, n_heads=2 * gqa,
-        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window, chunk=chunk)
-    args = poison_unused_slots(args)
-    got = emulator(args, n_simdgroups=n_simdgroups)
-    assert_close(got, ma.paged_attention_online(**args, n_partitions=n_simdgroups), tol=2e-6)
-    assert_close(got, gather_sdpa(**args))
+        n_kv_heads=2, head_dim=head_dim, block_size=block_size, window=window, chunk=chunk))
+
+
+@pytest.mark.parametrize("block_size,head_dim", GRID_SHAPES)
+@pytest.mark.parametrize("q_len,gqa,window,chunk", GRID_ROWS)
+def test_kernel_matches_reference_in_emulator(emulator, block_size, head_dim, q_len, gqa, window, chunk):
+    """One pass and split in 3 (a split may be empty for a short row), against the NumPy reference
+    (same splits) and gather + SDPA; NaN in every slot no query may read."""
+    args = grid_problem(block_size, head_dim, q_len, gqa, window, chunk)
+    want = gather_sdpa(**args)
+    for splits in (None, 3):
+        got, _ = emulator(args, splits=splits)
+        assert_close(got, ma.paged_attention_online(**args, splits=splits), tol=2e-6)
+        assert_close(got, want)
+
+
+def half_problem(dtype):
+    return ma.random_problem(3, context_lens=[700, 33], q_len=2, n_heads=4, n_kv_heads=2, dtype=dtype, sinks=True)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_metal_source_half_types_in_emulator(emulator, dtype):
-    args = ma.random_problem(3, context_lens=[700, 33], q_len=2, n_heads=4, n_kv_heads=2, dtype=dtype)
-    got = emulator(args)
+def test_half_types_in_emulator(emulator, dtype):
+    args = half_problem(dtype)
+    got, _ = emulator(args)
     assert got.dtype == dtype
     assert_close(got, ma.paged_attention_online(**args), tol=ma.TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("bits,dtype,key", [(8, mx.float32, "q8_f32_d64_b8_n3"), (4, mx.float32, "q4_f32_d64_b8_n2"),
-                                          (8, mx.float16, "q8_f16_d64_b16_n8")])
-@pytest.mark.parametrize("masking", ["window", "chunk"])
-def test_quantized_source_matches_reference_in_emulator(emulator, bits, dtype, key, masking):
-    """8-bit (and 4-bit) KV read by the kernel, each key and value dequantised as it is read;
-    a sliding window or chunks (llama4) that start mid-block."""
-    source, _, D, BS, NSG, _ = CONFIGS[key]
-    args = poison_unused_slots(ma.random_problem(
-        bits, context_lens=[3 * BS + 2, BS, 7], q_len=3, n_heads=4, n_kv_heads=2, head_dim=D, block_size=BS,
+QUANT_CASES = [(8, mx.float32, 8), (4, mx.float32, 8), (8, mx.float16, 16)]  # (bits, dtype, block_size)
+
+
+def quant_problem(bits, dtype, BS, masking):
+    return poison_unused_slots(ma.random_problem(
+        bits, context_lens=[3 * BS + 2, BS, 7], q_len=3, n_heads=4, n_kv_heads=2, head_dim=64, block_size=BS,
         dtype=dtype, kv_bits=bits, **{masking: 2 * BS + 1 if masking == "window" else BS + 3}))
-    got = emulator(args, n_simdgroups=NSG)
+
+
+@pytest.mark.parametrize("bits,dtype,block_size", QUANT_CASES)
+@pytest.mark.parametrize("masking", ["window", "chunk"])
+def test_quantized_pools_in_emulator(emulator, bits, dtype, block_size, masking):
+    """8-bit (and 4-bit) KV staged as uint4 codes and dequantised once per tile; a sliding window or
+    chunks (llama4) that start mid-block; one pass and split."""
+    args = quant_problem(bits, dtype, block_size, masking)
     tol = 1e-5 if dtype == mx.float32 else ma.TOLERANCE[dtype]
-    assert_close(got, ma.paged_attention_online(**args, n_partitions=NSG), tol=tol)
-    assert_close(got, gather_sdpa(**args), tol=tol)  # gather + mx.dequantize + SDPA
+    for splits in (None, 2):
+        got, _ = emulator(args, splits=splits)
+        assert_close(got, ma.paged_attention_online(**args, splits=splits), tol=tol)
+        assert_close(got, gather_sdpa(**args), tol=tol)  # gather + mx.dequantize + SDPA
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -481,16 +405,56 @@ def test_numpy_dequantize_is_mlx_dequantize(bits):
     np.testing.assert_allclose(ma.np_dequantize(pool, 1, slots), np.array(want), rtol=1e-6, atol=1e-6)
 
 
+def long_problem(q_len):
+    return ma.random_problem(q_len, context_lens=[32768], q_len=q_len, n_heads=16, n_kv_heads=2, head_dim=64,
+                             block_size=32, kv_bits=8)
+
+
+def test_long_context_gqa8_8bit_in_emulator(emulator):
+    """32k tokens of 8-bit KV under GQA 8, one decode query and two verify queries, split as the launch plan
+    splits them (64 splits of 512 keys): the kernel, the reference and gather + SDPA agree."""
+    for q_len in (1, 2):
+        args = long_problem(q_len)
+        assert ma.kernel_call(**args).plan.splits == 64
+        got, _ = emulator(args)
+        assert_close(got, ma.paged_attention_online(**args), tol=1e-5)
+        assert_close(got, gather_sdpa(**args), tol=1e-5)
+
+
+def bytes_problem(gqa):
+    return ma.random_problem(gqa, context_lens=[300, 77, 1000], n_heads=2 * gqa, n_kv_heads=2, head_dim=64,
+                             block_size=16)
+
+
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_each_kv_block_is_read_once_per_kv_head(emulator, gqa):
+    """K/V bytes read from device memory per decode step, counted in the emulator: the kernel reads each
+    visible token of each KV head once, 1/GQA of what the kernel before it read (one threadgroup per
+    query head, tests/metal_kernel_v1.py); the same with the context split."""
+    args = bytes_problem(gqa)
+    once = 2 * 2 * sum(args["context_lens"]) * 64 * 4  # K and V of 2 KV heads, head_dim 64, float32
+    got, nbytes = emulator(args)
+    assert sum(nbytes.values()) == once
+    _, split_bytes = emulator(args, splits=4)
+    assert sum(split_bytes.values()) == once
+    old_out, old_bytes = emulator.emu.run(metal_kernel_v1.build_kernel(), metal_kernel_v1.launch(**args),
+                                          metal_kernel_v1.INPUT_NAMES)
+    assert_close(old_out, got, tol=2e-6)
+    assert sum(old_bytes.values()) == gqa * once
+
+
 # ---------------------------------------------------------------- property tests (fixed seeds)
 
 
 def random_args(rng, head_dim, *, block_size=None, kv_bits=None, max_rows=4, max_len=6):
     """A random problem: 1..max_rows rows of ragged lengths, some right-padded (a prefill chunk
-    shorter than the batch's q_len: its table covers only its real tokens), GQA 1-3, q_len 1-16,
-    a window, a soft-cap, sinks or chunks, shuffled blocks; unused pool slots poisoned with NaN."""
+    shorter than the batch's q_len: its table covers only its real tokens), GQA 1-8 and q_len 1-8
+    (at most 32 rows per KV head), a window, a soft-cap, sinks or chunks, shuffled blocks; unused
+    pool slots poisoned with NaN."""
     BS = block_size or int(rng.choice([8, 16]))
-    B, QL = int(rng.integers(1, max_rows + 1)), int(rng.integers(1, 17))
-    kvh, gqa = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    B, gqa = int(rng.integers(1, max_rows + 1)), int(rng.choice([1, 2, 3, 4, 8]))
+    QL = int(rng.integers(1, 32 // gqa + 1 if gqa > 4 else 9))
+    kvh = int(rng.integers(1, 3))
     lens = [int(rng.integers(QL, max_len * BS)) for _ in range(B)]
     extra = [{}, {"window": int(rng.integers(1, 3 * BS))}, {"softcap": 4.0}, {"sinks": True}][int(rng.integers(4))]
     if rng.random() < 0.3:  # chunked attention (llama4), alone or beside the above
@@ -512,17 +476,25 @@ def test_property_reference_matches_gather_sdpa(seed, head_dim):
     rng = np.random.default_rng([seed, head_dim])
     bits = 8 if head_dim % 32 == 0 and seed % 2 else None
     args = random_args(rng, head_dim, kv_bits=bits)
-    assert_close(ma.paged_attention_online(**args), gather_sdpa(**args))
+    assert_close(ma.paged_attention_online(**args, splits=1 + seed % 3), gather_sdpa(**args))
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-def test_property_metal_source_matches_reference_in_emulator(emulator, seed, head_dim):
+PROPERTY_HEAD_DIMS = [64, 80, 96, 128, 256]
+
+
+def property_problem(seed, head_dim):
     rng = np.random.default_rng([seed, head_dim, 1])
     bits = 8 if head_dim != 80 and seed else None  # MLX groups 32 / 64 / 128 do not divide 80
     args = random_args(rng, head_dim, block_size=16, kv_bits=bits, max_rows=3, max_len=4)
-    got = emulator(args)
-    assert_close(got, ma.paged_attention_online(**args), tol=1e-5)
+    return args, 1 + int(rng.integers(3))
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("head_dim", PROPERTY_HEAD_DIMS)
+def test_property_kernel_matches_reference_in_emulator(emulator, seed, head_dim):
+    args, splits = property_problem(seed, head_dim)
+    got, _ = emulator(args, splits=splits)
+    assert_close(got, ma.paged_attention_online(**args, splits=splits), tol=1e-5)
     assert_close(got, gather_sdpa(**args), tol=1e-5)
 
 
@@ -563,10 +535,14 @@ def test_bad_mode():
         kd.select_attention("fast", gather_sdpa)
 
 
+ONE_KIND = [kd.layer_kind(mx.float32, 64)]
+SELECTED_KINDS = [kd.layer_kind(mx.float32, 64), kd.layer_kind(mx.float32, 64, kv_bits=8)]
+
+
 def _select_with_one_warning(match):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fn, backend = kd.select_attention("auto", gather_sdpa)
+        fn, backend = kd.select_attention("auto", gather_sdpa, layers=ONE_KIND)
     assert (fn, backend) == (gather_sdpa, "reference")
     assert len(caught) == 1 and caught[0].category is kd.MetalAttentionWarning
     assert match in str(caught[0].message)
@@ -583,7 +559,7 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch):
     msg = _select_with_one_warning("failed to compile or run")
     assert "undeclared identifier" in msg
     with pytest.raises(MacinferError, match="failed to compile"):
-        kd.select_attention("metal", gather_sdpa)
+        kd.select_attention("metal", gather_sdpa, layers=ONE_KIND)
 
 
 def test_run_failure_of_real_kernel_falls_back(monkeypatch):
@@ -598,29 +574,29 @@ def test_mismatch_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(ma, "metal_available", lambda: True)
     calls = []
 
-    def slightly_wrong(queries, *a, **k):
+    def slightly_wrong(queries, *a, n_simdgroups=None, lens=None, sink_array=None, **k):
         calls.append(queries.dtype)
-        return ma.paged_attention_online(queries, *a, n_partitions=k.pop("n_simdgroups"), **k) * 1.01
+        return ma.paged_attention_online(queries, *a, **k) * 1.01
 
     monkeypatch.setattr(ma, "paged_attention_metal", slightly_wrong)
     _select_with_one_warning("disagrees with the reference")
-    assert calls == [mx.float32]  # float32 goes first and the check stops at the first mismatch
+    assert calls == [mx.float32] * 6  # every class checked once: its first case already disagrees
 
 
-def emulated_kernel(emulator, key=None):
-    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, block_size, scale, window=None,
-                              softcap=None, sinks=None, chunk=None, n_simdgroups=None):
-        return emulator(dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
-                             context_lens=context_lens, block_size=block_size, scale=scale, window=window,
-                             softcap=softcap, sinks=sinks, chunk=chunk), n_simdgroups=n_simdgroups, key=key)
+def emulated_kernel(emulator, kernels=None):
+    """metal_attention.paged_attention_metal run in the emulator."""
+    def paged_attention_metal(queries, k_pool, v_pool, block_tables, context_lens, *, n_simdgroups=None, lens=None,
+                              sink_array=None, **kw):
+        args = dict(queries=queries, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+                    context_lens=context_lens, **kw)
+        return emulator(args, kernels, n_simdgroups=n_simdgroups, lens=lens, sink_array=sink_array)[0]
 
     return paged_attention_metal
 
 
-def test_emulated_metal_source_passes_self_check_and_is_selected(emulator, monkeypatch):
-    """The full self-check (float16, bfloat16, float32) run on METAL_SOURCE itself."""
+def test_emulated_kernel_passes_every_class_and_is_selected(emulator, monkeypatch):
+    """Every class of a float32 and an 8-bit layer kind checked at start-up, on the kernels' own source."""
     monkeypatch.setattr(ma, "metal_available", lambda: True)
-    monkeypatch.setattr(ma, "build_kernel", lambda quantized=False: object())
     monkeypatch.setattr(ma, "paged_attention_metal", emulated_kernel(emulator))
     reference_calls = []
 
@@ -628,11 +604,13 @@ def test_emulated_metal_source_passes_self_check_and_is_selected(emulator, monke
         reference_calls.append(k)
         return gather_sdpa(*a, **k)
 
+    kinds = SELECTED_KINDS
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fn, backend = kd.select_attention("auto", reference)
+        fn, backend = kd.select_attention("metal", reference, layers=kinds)
     assert backend == "metal" and isinstance(fn, kd.KernelDispatch)
-    assert len(reference_calls) == 3 * len(ma.self_check_cases(16, 64))
+    assert len(fn.choices) == 2 * 6 and set(fn.choices.values()) == {"kernel"}
+    assert len(reference_calls) == 2 * 6 * 3
     reference_calls.clear()
     args = ma.random_problem(9, context_lens=[20, 9], q_len=2, sinks=True)
     assert_close(fn(**args), gather_sdpa(**args))
@@ -640,23 +618,18 @@ def test_emulated_metal_source_passes_self_check_and_is_selected(emulator, monke
 
 
 def test_emulated_buggy_source_is_rejected(emulator):
-    """The self-check has teeth: a window off by one key fails it, in the windowed case; a chunk's
-    first key dropped (float or quantised source), in the chunked case."""
-    buggy = emulated_kernel(emulator, key="bug_d64_b16_n8")
-    failure = ma.self_check(buggy, gather_sdpa, dtypes=(mx.float32,))
-    assert failure and "disagrees" in failure and "case 2" in failure
-    # The chunked case is the last one.
-    chunked = f"case {len(ma.self_check_cases(16, 64)) - 1}"
-    failure = ma.self_check(emulated_kernel(emulator, key="chunkbug_d64_b16_n8"), gather_sdpa, dtypes=(mx.float32,))
-    assert failure and chunked in failure
-    failure = ma.self_check(emulated_kernel(emulator, key="q8chunkbug_d64_b16_n8"), gather_sdpa, dtypes=(mx.float32,),
-                            kv_bits=8)  # the quantised variant's chunk too
-    assert failure and chunked in failure
-
-
-def test_emulated_kernel_passes_self_check_against_engine_reference(emulator):
-    engine = pytest.importorskip("macinfer.kv.paged_attention")
-    assert ma.self_check(emulated_kernel(emulator), engine.paged_attention, dtypes=(mx.float32,)) is None
+    """The start-up check has teeth: a window off by one key fails the windowed case, a chunk's first key dropped
+    the chunked case (float or quantised source), sinks lost in the reduction the split classes."""
+    kind = kd.layer_kind(mx.float32, 64)
+    for bug, case, kinds in [(BUGS["window"], "case 1", [kind]), (BUGS["chunk"], "case 2", [kind]),
+                             (BUGS["qchunk"], "case 2", [kd.layer_kind(mx.float32, 64, kv_bits=8)]),
+                             (BUGS["split"], "case 0", [kind])]:
+        dispatch = kd.KernelDispatch("metal", emulated_kernel(emulator, bug), gather_sdpa)
+        failures = dispatch.prepare(kinds, 16)
+        assert failures and all("disagrees" in f for f in failures), failures
+        assert case in failures[0], failures[0]
+        if "reduce" in bug:  # one-pass classes never run the reduction
+            assert [k[-1] for k, v in dispatch.choices.items() if v == "reference"] == [True] * 3
 
 
 def test_bench_script_runs_without_metal(capsys):

@@ -24,15 +24,16 @@ from macinfer.timing import median_ms
 RAN, SKIPPED, FAILED = "ran", "skipped", "failed"
 CHECKS = ("system", "software", "metal", "bandwidth", "kernel_self_check", "kernel_timing", "decode")
 
-# The self-check grid: every head_dim x block_size, each with the cases of
-# macinfer.kv.metal_attention.self_check_cases in all three dtypes. 64 and 128 are the
-# common head sizes; 80 and 96 are not multiples of the 32 lanes; 256 halves the simdgroups.
+# The self-check grid: every shape class (macinfer.kv.kernel_dispatch) of each head_dim x block_size,
+# in all three dtypes: what an engine checks at start-up for its own model. 64 and 128 are the common
+# head sizes; 80 and 96 are not multiples of the 32 lanes; 256 the largest.
 GRID_HEAD_DIMS = (64, 80, 96, 128, 256)
 GRID_BLOCK_SIZES = (16, 32)
 GRID_KV_BITS = (None, 8)  # float pools, and 8-bit KV read by the quantised kernel
 # Kernel vs SDPA timing: one decode query per sequence, the embedded model's attention shape.
 TIMING_BATCHES = (1, 8, 32)
-TIMING_CONTEXTS = (1024, 8192)
+TIMING_CONTEXTS = (1024, 8192, 32768)
+TIMING_MAX_TOKENS = 262144  # batch x context at most (b32 x 32k would take 0.8 GB of K/V)
 TIMING_SHAPE = dict(heads=9, kv_heads=3, head_dim=64, block_size=16)
 DECODE_MODEL = None  # the embedded SmolLM2-135M
 DECODE_TOKENS = 100
@@ -199,45 +200,37 @@ def _needs_metal(why: str):
 
 
 def check_kernel_self_check(ctx):
-    """The Metal kernel against the engine's reference (gather + SDPA) over a grid of shapes."""
+    """The Metal kernel against the engine's reference (gather + SDPA): every shape class over a grid, checked
+    as the engine checks at start-up (KernelDispatch.prepare, with its thread-limit retry)."""
     _needs_metal("the kernel cannot run here (the engine uses the reference attention)")
-    import mlx.core as mx
-
+    from macinfer.kv import kernel_dispatch as kd
     from macinfer.kv import metal_attention as ma
     from macinfer.kv.paged_attention import paged_attention
 
     ctx["kernel_ok"] = False
-    ma.build_kernel()
-    cases, worst = 0, {}
-    grid = [(d, bs, dtype, bits) for d in GRID_HEAD_DIMS for bs in GRID_BLOCK_SIZES for bits in GRID_KV_BITS
-            for dtype in ma.SUPPORTED_DTYPES if bits is None or d % 32 == 0]  # MLX's groups are 32 / 64 / 128
-    for head_dim, block_size, dtype, bits in grid:
-        for i, case in enumerate(ma.self_check_cases(block_size, head_dim)):
-            args = ma.random_problem(i, head_dim=head_dim, block_size=block_size, dtype=dtype, kv_bits=bits,
-                                     **case)
-            got = ma.paged_attention_metal(**args).astype(mx.float32)
-            want = paged_attention(**args).astype(mx.float32)
-            mx.eval(got, want)
-            cases += 1
-            tol = ma.TOLERANCE[dtype]
-            name = str(dtype).split(".")[-1] + (f" kv{bits}" if bits else "")
-            if got.shape != want.shape:
-                raise CheckFailed(f"kernel output shape {got.shape} != reference {want.shape} "
-                                  f"(head_dim {head_dim}, block {block_size}, {name}, case {i} {case})",
-                                  {"cases_run": cases})
-            err = mx.abs(got - want).max().item()
-            worst[name] = max(worst.get(name, 0.0), err)
-            if not mx.allclose(got, want, rtol=tol, atol=tol).item():
-                raise CheckFailed(f"kernel disagrees with the reference: head_dim {head_dim}, block "
-                                  f"{block_size}, {name}, case {i} {case}: max |diff| {err:.3g} > {tol} "
-                                  "(the engine falls back to the reference)",
-                                  {"cases_run": cases, "max_abs_diff": worst})
-    ctx["kernel_ok"] = True
-    figures = {"cases": cases, "head_dims": list(GRID_HEAD_DIMS), "block_sizes": list(GRID_BLOCK_SIZES),
-               "max_abs_diff": worst}
-    diffs = ", ".join(f"{k} {v:.2g}" for k, v in worst.items())
-    return (f"kernel matches the reference in {cases} cases (head_dim {'/'.join(map(str, GRID_HEAD_DIMS))} x block "
-            f"{'/'.join(map(str, GRID_BLOCK_SIZES))} x 3 dtypes, float and 8-bit KV); max |diff| {diffs}"), figures
+    kinds = [kd.layer_kind(dtype, d, bits) for d in GRID_HEAD_DIMS for bits in GRID_KV_BITS for dtype in
+             ma.SUPPORTED_DTYPES if bits is None or d % 32 == 0]  # MLX's groups are 32 / 64 / 128
+    classes, diffs, limited = 0, {}, {}
+    for block_size in GRID_BLOCK_SIZES:
+        dispatch = kd.KernelDispatch("metal", ma.paged_attention_metal, paged_attention)
+        failures = dispatch.prepare(kinds, block_size)
+        classes += len(dispatch.choices)
+        for name, diff in dispatch.diffs.items():
+            diffs[name] = max(diffs.get(name, 0.0), diff)
+        limited.update({f"{k[0].split('.')[-1]} d{k[1]}{' kv8' if k[2] else ''}": 32 * n
+                        for k, n in dispatch.simdgroups.items() if n < ma.MAX_SIMDGROUPS})
+        figures = {"classes": classes, "cases": 3 * classes, "max_abs_diff": diffs, "thread_limited": limited}
+        if failures:
+            raise CheckFailed(f"{failures[0]} (block {block_size}; {len(failures)} classes fail; the engine falls back "
+                              "to the reference)", figures)
+    ctx["kernel_ok"], ctx["thread_limited"] = True, limited
+    figures.update(head_dims=list(GRID_HEAD_DIMS), block_sizes=list(GRID_BLOCK_SIZES))
+    text = ", ".join(f"{k} {v:.2g}" for k, v in diffs.items())
+    threads = "; threadgroups lowered to the pipeline's limit: " + ", ".join(f"{k} {v}" for k, v in limited.items()) \
+        if limited else ""
+    return (f"kernel matches the reference in all {classes} shape classes ({3 * classes} cases: head_dim "
+            f"{'/'.join(map(str, GRID_HEAD_DIMS))} x block {'/'.join(map(str, GRID_BLOCK_SIZES))} x 3 dtypes, float "
+            f"and 8-bit KV); max |diff| {text}{threads}"), figures
 
 
 def _timing_problem(batch: int, context: int, dtype, *, heads, kv_heads, head_dim, block_size):
@@ -271,14 +264,15 @@ def check_kernel_timing(ctx):
 
     repeats = 3 if ctx.get("quick") else 10
     shape = TIMING_SHAPE
+    nsg = min([ma.MAX_SIMDGROUPS] + [n // 32 for n in ctx.get("thread_limited", {}).values()])
     rows, parts = [], []
     for batch in TIMING_BATCHES:
-        for context in TIMING_CONTEXTS:
+        for context in (c for c in TIMING_CONTEXTS if batch * c <= TIMING_MAX_TOKENS):
             args = _timing_problem(batch, context, mx.float16, **shape)
             mx.eval(args["queries"], args["k_pool"], args["v_pool"])
             gb = 2 * batch * context * shape["kv_heads"] * shape["head_dim"] * 2 / 1e9  # K and V, float16
             ref = median_ms(lambda: paged_attention(**args), repeats)
-            ker = median_ms(lambda: ma.paged_attention_metal(**args), repeats)
+            ker = median_ms(lambda: ma.paged_attention_metal(**args, n_simdgroups=nsg), repeats)
             rows.append({"batch": batch, "context": context, "sdpa_ms": round(ref, 4), "kernel_ms": round(ker, 4),
                          "kernel_over_sdpa": round(ker / ref, 3), "kernel_gbps": round(gb / ker * 1e3, 1)})
             parts.append(f"b{batch} {context // 1024}k {ker:.3g}/{ref:.3g} ms ({ker / ref:.2f}x)")
@@ -344,7 +338,7 @@ def doctor_cmd(as_json, quick):
     mlx-lm versions), metal (available?), bandwidth (the peak used for
     bandwidth utilisation and where it came from), kernel_self_check (the
     fused Metal attention kernel against the reference over a grid of shapes
-    and dtypes), kernel_timing (kernel vs SDPA at batch 1/8/32, context 1k/8k),
+    and dtypes), kernel_timing (kernel vs SDPA at batch 1/8/32, context 1k/8k/32k),
     decode (100 tokens of the embedded model, with bandwidth utilisation).
     Without Metal the kernel checks are skipped. Exits 1 if a check failed.
 

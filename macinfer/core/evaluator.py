@@ -12,16 +12,27 @@ So on the CPU backend a StepEvaluator hands each launched step to a worker threa
 which runs mx.eval (that releases the GIL) while the engine thread builds the next step,
 detokenises and schedules. Elsewhere (Metal, or `threaded=False`) `launch` is mx.async_eval.
 
+On Metal, MLX keeps every input buffer of a command buffer alive until the GPU completes it
+(the completion handler in mlx/backend/metal/eval.cpp), and an array is written in place only
+if nothing else holds its buffer (`is_donatable`). A step n+1 queued while step n still runs
+would find each KV pool held by step n's attention and copy the whole pool to write one token.
+So there `launch` first waits for the step before (`settle`), then queues the next: the host
+still builds step n+1 while step n runs, only its encoding waits (docs/platform.md, #metal-async).
+The worker thread settles by construction: it evaluates step n+1 after step n's mx.eval returned.
+
 Invariants in threaded mode:
-- Every array the engine builds lives on `stream`, a thread-unsafe CPU stream: MLX keeps
-  ordinary streams per thread, and the worker must evaluate what the engine thread built.
+- Every array the engine builds lives on `stream`, a thread-unsafe stream on the default device
+  (the GPU on a Mac, else the CPU): MLX keeps ordinary streams per thread, and the worker must
+  evaluate what the engine thread built.
   `context()` makes it the default stream; the engine enters it for each step and request.
 - While a job is queued or running, the engine thread builds graphs but evaluates nothing on
   `stream`: results of a launched step are read only after `Job.wait()`, and any other
   evaluation (a synchronous step, writing blocks to disk) comes after `drain()`. A forward that
   evaluates while it is built (a model whose source reads arrays back, see
-  macinfer.kv.model_probe.forward_evaluates; a kernel dispatch checking a new shape class) is
-  built only after `drain()` and launched inline, or the engine is not threaded at all.
+  macinfer.kv.model_probe.forward_evaluates) is built only after `drain()` and launched inline,
+  or the engine is not threaded at all; so is a forward through the attention hook
+  (ForwardContext.attention_fn: the Metal kernel, which evaluates nothing there since its shape
+  classes are checked at start-up, or a test's stand-in, which may).
 - Jobs run in launch order; a job drops its arrays once evaluated, so the next step's writes
   into the KV pools can reuse their buffers (a pool referenced twice would be copied).
 """
@@ -37,13 +48,18 @@ import weakref
 
 import mlx.core as mx
 
-_free_streams: list = []  # thread-unsafe CPU streams of evaluators that are gone (MLX never frees one)
+_free_streams: list = []  # thread-unsafe streams of evaluators that are gone (MLX never frees one)
 _streams_lock = threading.Lock()
 
 
 def _take_stream():
+    """A thread-unsafe stream on the default device: the model runs where it would without the thread."""
+    device = mx.default_device()
     with _streams_lock:
-        return _free_streams.pop() if _free_streams else mx.new_thread_unsafe_stream(mx.cpu)
+        for i, stream in enumerate(_free_streams):
+            if stream.device == device:
+                return _free_streams.pop(i)
+    return mx.new_thread_unsafe_stream(device)
 
 
 def _retire(stream, jobs: queue.Queue, box: list) -> None:
@@ -61,6 +77,11 @@ def _retire(stream, jobs: queue.Queue, box: list) -> None:
 def threads_pay_off() -> bool:
     """True where async_eval cannot overlap the host with the step: MLX without Metal."""
     return not mx.metal.is_available()
+
+
+def settles() -> bool:
+    """True where a step queued behind a running one would copy the KV pools it writes: Metal (module docstring)."""
+    return mx.metal.is_available()
 
 
 # Waiting for a short step, Job.wait polls instead of blocking: the waiting core stays busy, so the
@@ -103,8 +124,10 @@ class StepEvaluator:
 
     IDLE_EXIT_S = 2.0  # an idle worker thread ends; the next launch starts another
 
-    def __init__(self, threaded: bool):
+    def __init__(self, threaded: bool, settle: bool | None = None):
         self.threaded = threaded
+        # mx.async_eval: wait for the step before queueing the next (default: on Metal)
+        self.settle = (not threaded and settles()) if settle is None else settle
         self.stream = _take_stream() if threaded else None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -127,6 +150,8 @@ class StepEvaluator:
         """
         if not self.threaded or inline:
             assert self._last is None or not inline, "drain() before an inline launch"
+            if self.settle:
+                mx.synchronize()  # the step before is done: its readers hold no pool any more
             mx.async_eval(arrays)
             return None
         job = Job(arrays, SPIN_S if self._eval_s[0] < SHORT_STEP_S else 0.0, timed=step)

@@ -58,7 +58,7 @@ from macinfer.engine.output_processor import OutputProcessor
 from macinfer.engine.pipeline import Pipeline
 from macinfer.engine.protocol import EngineFeatures
 from macinfer.errors import MacinferError
-from macinfer.kv.kernel_dispatch import select_attention
+from macinfer.kv.kernel_dispatch import attention_layers, select_attention
 from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
 from macinfer.kv.paged_attention import paged_attention
 from macinfer.prefix_cache.keys import model_identity, prefix_cache_stats
@@ -104,7 +104,9 @@ class LLMEngine:
         cpu_lazy = ranks is None and threads_pay_off() and not forward_evaluates(model)  # one process, lazy forward
         evaluator = _evaluator(config, cpu_lazy)
         attention_fn, self.attention_backend = (
-            select_attention(config.attention, paged_attention, head_dim=self.specs[0].k_head_dim, block_size=bs)
+            # every kernel pipeline the model's layers can dispatch, checked here, never inside a forward
+            select_attention(config.attention, paged_attention, block_size=bs,
+                             layers=attention_layers(self.specs, config.kv_bits, config.kv_group_size))
             if self.specs else (None, "none"))
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.grammars = GrammarCompiler(_hf_tokenizer(tokenizer), _logits_width(model, tokenizer),

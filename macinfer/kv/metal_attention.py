@@ -1,80 +1,89 @@
-"""Fused paged decode attention as a Metal kernel, its executable reference, and run-time selection.
+"""Fused paged decode attention as a Metal kernel, and its executable reference.
 
 The reference path (`macinfer.kv.paged_attention`) gathers each sequence's slots into
 a contiguous K/V buffer and calls MLX's fused SDPA: at long contexts that copy
 costs an extra read and write of the KV cache per step. The kernel here reads
 K/V straight from the block pool instead and keeps an online softmax, so there
-is no gathered copy and no n x n score matrix.
+is no gathered copy and no n x n score matrix. It is built like MLX's own
+`sdpa_vector` kernels (mlx/backend/metal/kernels/sdpa_vector.h) and vllm-metal's v2:
 
-Algorithm (one query row = one (sequence b, query head h, query token qi); on
-Metal one threadgroup of NSG simdgroups x 32 lanes, lane i holding dims i, i+32, ...):
+- grouped-query aware: one threadgroup serves one (sequence, KV head) and *all* the
+  R = G * q_len query rows that read it (G = n_heads / n_kv_heads), so each K/V
+  block is read from device memory once per KV head, not once per query head;
+- split-K: a long context is cut into S splits of PB blocks, one threadgroup each
+  (pass 1), whose partial softmax states a second kernel reduces (pass 2), as
+  MLX's `sdpa_vector_2pass`; a short one runs in one pass (S = 1);
+- vector loads: the threadgroup stages a tile of TK tokens of K and V in threadgroup
+  memory with 4-element vector loads (16 bytes in float32; a quantised pool's codes
+  as uint4), dequantised to float once for all its rows;
+- simdgroup reductions: a lane holds dims d = i * 32 + lane; a score is one
+  `simd_sum`, pass 2 reduces with `simd_max` / `simd_sum`.
 
-    query qi of a row with context length C sits at position p = C - q_len + qi
-    and sees keys lo..p, lo = max(0, p - window + 1) (0 without a window),
-    raised to p // chunk * chunk, its chunk's first key, for chunked attention (llama4).
+Algorithm (B rows, H query heads, KVH KV heads, q_len = QL, head_dim = D, BS = block_size):
 
-    block-table index arithmetic (BS = block_size, KVH = n_kv_heads, D = head_dim,
-    NS = num_blocks * BS slots; pools are head-major, see macinfer.kv.paged_attention):
+    query qi of a row with context length C sits at p = C - QL + qi and sees keys
+    lo..p, lo = first_key(p) = max(0, p - window + 1) (0 without a window), raised to
+    p // chunk * chunk for chunked attention (llama4).
+
+    threadgroup (b, kvh, s):  rows r = 0 .. R-1,  h = kvh * G + r // QL,  qi = r % QL
+      its rows see keys within [lo0, C - 1], lo0 = first_key(C - QL) (the first query's)
+      its blocks: j0 = lo0 // BS + s * PB  ..  j1 = min(j0 + PB, (C - 1) // BS + 1)
+
+        table index j:   lo0//BS ......... +PB ......... +2PB ...... (C-1)//BS
+        split:           |------ s = 0 -----|---- s = 1 ---|-- s = 2 --|      (empty splits: m = MASKED)
+
+    block-table index arithmetic (NS = num_blocks * BS slots per head; pools are head-major,
+    see macinfer.kv.paged_attention):
 
       logical position pos = j * BS + t          block_tables[b] = [ 7, 2, 9, 0, 0 ]
-                                                                     |  |  |  padding (null
-      seq b:  | 0 .. BS-1 | BS .. 2BS-1 | 2BS .. C-1 |               |  |  |  block 0): never
-                 j = 0        j = 1         j = 2                    |  |  |  read, j <= p // BS
-                   |            |             |                      v  v  v
-                   +-------> phys = block_tables[b, j] ----->  block 7, 2, 9 = slots
-                                                                   [7BS, 8BS), [2BS, 3BS), [9BS, 10BS)
-      slot = phys * BS + t
-      K of (pos, kv head kvh, dim d) = k_pool[kvh, slot, d]
-                                     = k_pool_flat[(kvh * NS + phys * BS + t) * D + d]
+      phys = block_tables[b, j]                                      |  |  |  padding (null block 0),
+      slot = phys * BS + t                                           v  v  v  never read
+      K of (pos, kvh, d) = k_pool_flat[(kvh * NS + slot) * D + d]    slots [7BS, 8BS), [2BS, 3BS), ...
 
-    so a block of one head is BS * D contiguous values: the kernel streams it.
-      kvh = h // (n_heads // n_kv_heads)            (grouped-query attention)
+    so a tile of TK tokens of one head is TK * D contiguous values: the threadgroup loads it
+    with vectors, only the tokens in [lo0, C - 1] (a stale or NaN slot is never read).
 
-    partitioning: the blocks j_lo = lo // BS .. j_hi = p // BS are dealt round-robin
-    to NSG partitions (one Metal simdgroup each):
+    per tile, each row r (simdgroup r % NSG) updates its online softmax (m, l, acc):
 
-      j:      j_lo  j_lo+1  ...  j_lo+NSG-1  j_lo+NSG  j_lo+NSG+1 ...
-      part:    0      1     ...    NSG-1        0          1     ...
-
-    each partition keeps an online softmax (m, l, acc) updated once per block:
-
-      s      = scale * K_blk @ q            (masked slots: -1e30, skipped below)
+      s      = scale * K_tile @ q_r         (slots outside [lo_r, p_r]: MASKED, their V unread)
       s      = tanh(s / cap) * cap          (logit soft-capping, Gemma 2; only if cap > 0)
-      m_new  = max(m, max(s))
-      corr   = exp(m - m_new)
-      l      = l * corr + sum(exp(s - m_new))
-      acc    = acc * corr + exp(s - m_new) @ V_blk
-      m      = m_new
+      m_new  = max(m, max(s));  corr = exp(m - m_new)
+      l      = l * corr + sum(exp(s - m_new));  acc = acc * corr + exp(s - m_new) @ V_tile;  m = m_new
 
-    and the NSG partials are merged at the end:
+    and the S partial states of a row are merged with its sink (a per-head logit with no
+    value; none: MASKED):
 
-      M = max(max_g m_g, sink);   w_g = exp(m_g - M)
-      out = sum_g w_g acc_g / (sum_g w_g l_g + exp(sink - M))     (sink: a per-head logit
-                                                                   with no value; none: -1e30)
+      M = max(max_s m_s, sink);  w_s = exp(m_s - M)
+      out = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - M))
 
-`paged_attention_online` runs that algorithm in NumPy, loop for loop, so it is
-tested on machines without Metal; `METAL_SOURCE` is its transliteration (the
-[1]..[6] step tags match). Only Metal can compile and run the kernel for real, so
-macinfer.kv.kernel_dispatch self-checks it against the reference path before use,
-for every shape class the engine dispatches. Quantised pools (`QuantPool`, 8 or 4
-bits) are read by the same algorithm, each key and value dequantised as it is read. (The
-tests also compile the source MLX generates from it as C++ against a shim of the
-Metal built-ins and run it in a small SIMT emulator: a check of the source's
-logic, not of the Metal compiler or the GPU.)
+`paged_attention_online` runs that algorithm in NumPy, loop for loop, so it is tested on
+machines without Metal; `PASS1_SOURCE` and `REDUCE_SOURCE` (macinfer.kv.metal_source) are its
+transliteration (the [1]..[6] step tags match). Only Metal can compile and run the kernel for real, so
+macinfer.kv.kernel_dispatch checks every pipeline the engine can dispatch against the
+reference path at start-up. (The tests also compile the source MLX generates from these
+as C++ against a shim of the Metal built-ins and run it in a small SIMT emulator that
+counts the K/V bytes read: a check of the source's logic, not of the Metal compiler.)
 
-NOTE: masked slots use a finite sentinel (-1e30), not -inf, so the kernel is
-correct under Metal's fast-math mode too; and masked slots never touch V, so
-stale values (even NaN) in unused pool slots cannot leak into the output.
+NOTE: masked slots use a finite sentinel (-1e30), not -inf, so the kernel is correct
+under Metal's fast-math mode too; and masked slots never touch V.
+NOTE: MLX passes an input of fewer than 8 elements in `constant` memory and names the
+kernel by it (mlx/backend/common/metal_kernel.cpp), so an input whose size follows the
+batch would compile a second variant: tables, lengths and sinks are padded to 8 or more
+elements, the scalar parameters always have fewer. A pipeline is then fixed by its
+template arguments alone (`LaunchPlan.pipeline`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
+from macinfer.kv.metal_source import (HEADER, INPUT_NAMES, PASS1_SOURCE, QUANT_INPUT_NAMES, QUANT_PASS1_SOURCE,
+                                      REDUCE_INPUT_NAMES, REDUCE_SOURCE)
 from macinfer.kv.paged_attention import QuantPool
 
 SIMD_WIDTH = 32  # threads per simdgroup on every Apple GPU
@@ -90,20 +99,17 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}
 # and chunk=size for chunked local attention: llama4)
 AttentionFn = Callable[..., mx.array]
 
+MAX_SIMDGROUPS = 8  # 256 threads at most, as vllm-metal (see LaunchPlan)
+MAX_ROWS = 32  # query rows per KV head (G * q_len) the kernel serves, as MLX's sdpa_vector
+ROWS_PER_SIMDGROUP = (1, 2, 4)  # the RPS template values: MAX_ROWS / MAX_SIMDGROUPS at most
+TILE_ELEMS = 2048  # TK * D: K and V tiles as float take 16 KB of the 32 KB of threadgroup memory
+MIN_SPLIT_TOKENS = 256  # a split reads at least this many keys (MLX's 2-pass: 32-1024 splits)
+TARGET_THREADGROUPS = 128  # pass 1 splits until B * KVH * S reaches this (fills an M-series GPU)
+CONSTANT_LIMIT = 8  # MLX: inputs with fewer elements go to `constant` memory
 
-MAX_THREADS = 256  # threads per threadgroup we launch (see default_simdgroups)
 
-
-def default_simdgroups(head_dim: int, max_threads: int = MAX_THREADS) -> int:
-    """Partitions (simdgroups) per query row: max_threads / 32 while the merge buffer
-    NSG * head_dim floats stays within 16 KB of threadgroup memory.
-
-    NOTE: 256 threads, as vllm-metal launches, not the 1024 a device allows: MLX refuses a
-    dispatch above the *pipeline's* maxTotalThreadsPerThreadgroup, which register pressure
-    can lower below 1024 (896 at head_dim 256 on an M2 Ultra in mlx-vlm). A pipeline whose
-    limit is lower still gets the limit's simdgroups (macinfer.kv.kernel_dispatch).
-    """
-    return max(1, min(max_threads // SIMD_WIDTH, 4096 // head_dim))
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _np32(x) -> np.ndarray:
@@ -112,17 +118,83 @@ def _np32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
+def first_key(p: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at p sees (the kernel's `first_key`)."""
+    lo = max(0, p - window + 1) if window else 0
+    return max(lo, p // chunk * chunk) if chunk else lo
+
+
+def tile_tokens(head_dim: int, block_size: int) -> int:
+    """TK: tokens staged per tile, a power of two dividing block_size with TK * head_dim <= TILE_ELEMS."""
+    tk = 1
+    while tk * 2 <= block_size and block_size % (tk * 2) == 0 and tk * 2 * head_dim <= TILE_ELEMS:
+        tk *= 2
+    return tk
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call is launched: what it compiles (`pipeline`) and its grid.
+
+    rows (R = G * q_len) go to simdgroups: NSG = min(pow2(R), max_simdgroups), each holding
+    RPS = pow2(ceil(R / NSG)) rows in registers. NSG is the threadgroup size, a launch
+    parameter; RPS, TK and whether the context is split are template parameters.
+    """
+
+    rows: int  # R
+    simdgroups: int  # NSG
+    rows_per_simdgroup: int  # RPS
+    tile: int  # TK
+    splits: int  # S
+    blocks_per_split: int  # PB
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+
+def span_blocks(table_width: int, q_len: int, block_size: int, window: int | None, chunk: int | None) -> int:
+    """The most blocks any row's queries read together: the table, or what a window or chunk spans."""
+    span = table_width
+    for w in (window, chunk):
+        if w:
+            span = min(span, -(-(w + q_len - 1) // block_size) + 1)
+    return max(span, 1)
+
+
+def launch_plan(B: int, H: int, q_len: int, KVH: int, head_dim: int, block_size: int, table_width: int, *,
+                window: int | None = None, chunk: int | None = None, max_simdgroups: int = MAX_SIMDGROUPS,
+                splits: int | None = None) -> LaunchPlan:
+    """The plan of one call (splits: force S, as tests do; default: enough threadgroups to fill the
+    GPU, each split reading at least MIN_SPLIT_TOKENS keys)."""
+    R = H // KVH * q_len
+    nsg = min(_pow2(R), max_simdgroups)
+    rps = _pow2(-(-R // nsg))
+    span = span_blocks(table_width, q_len, block_size, window, chunk)
+    if splits is None:
+        most = max(1, span * block_size // MIN_SPLIT_TOKENS)
+        splits = min(most, max(1, -(-TARGET_THREADGROUPS // (B * KVH))))
+    pb = -(-span // max(1, min(splits, span)))
+    return LaunchPlan(R, nsg, rps, tile_tokens(head_dim, block_size), -(-span // pb), pb)
+
+
+def context_blocks(context_lens, block_size: int) -> int:
+    """Blocks the longest row's context covers: what `launch_plan` splits (not the padded table width)."""
+    return max((-(-int(c) // block_size) for c in np.asarray(context_lens).reshape(-1)), default=1)
+
+
 def padded_tables(block_tables, context_lens, block_size: int) -> mx.array:
-    """Block tables as int32 (B, W), padded with the null block 0 to cover every row's context.
+    """Block tables as int32 (B, W), padded with the null block 0 to cover every row's context,
+    and to at least CONSTANT_LIMIT entries in all (module NOTE).
 
     NOTE: W covers ceil(context_len / block_size) for every row, not just the longest table:
     a row right-padded in a batch (a short prefill chunk beside a longer one) counts its
     padding in context_lens, so its table can be shorter than its context. The kernel reads
-    entry pos // BS for every position up to context_len - 1; without this it read past
-    the buffer (the reference raised IndexError on the same input).
+    entry pos // BS for every position up to context_len - 1.
     """
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
-    need = max((-(-c // block_size) for c in lens), default=0)
+    B = max(len(lens), 1)
+    need = max(max((-(-c // block_size) for c in lens), default=0), -(-CONSTANT_LIMIT // B))
     if isinstance(block_tables, mx.array):
         t = block_tables.astype(mx.int32)
         return t if t.shape[1] >= need else mx.pad(t, [(0, 0), (0, need - t.shape[1])])
@@ -130,310 +202,224 @@ def padded_tables(block_tables, context_lens, block_size: int) -> mx.array:
     return mx.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=mx.int32)
 
 
+def padded_lens(context_lens) -> mx.array:
+    """int32 context lengths, zero-padded to at least CONSTANT_LIMIT entries (module NOTE)."""
+    lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
+    return mx.array(lens + [0] * (CONSTANT_LIMIT - len(lens)), dtype=mx.int32)
+
+
+def padded_sinks(sinks, n_heads: int) -> mx.array:
+    """float32 per-head sinks (MASKED without), padded to at least CONSTANT_LIMIT entries (module NOTE)."""
+    n = max(n_heads, CONSTANT_LIMIT)
+    if sinks is None:
+        return mx.full((n,), MASKED, mx.float32)
+    s = sinks.astype(mx.float32)
+    return s if n == n_heads else mx.concatenate([s, mx.full((n - n_heads,), MASKED, mx.float32)])
+
+
 def np_dequantize(pool: QuantPool, kvh: int, slots: np.ndarray) -> np.ndarray:
     """Rows `slots` of head kvh of a quantised pool, dequantised in float32, as the kernel does per key:
     element d = scale[d // G] * ((codes[d // PER] >> (d % PER) * BITS) & MASK) + bias[d // G], PER = 32 / BITS."""
-    bits, G = pool.bits, pool.group_size
-    D, per = pool.shape[2], 32 // bits
-    d = np.arange(D)
-    words = np.asarray(pool.codes[kvh])[slots][:, d // per]  # (n, D) the word holding each element
-    codes = (words >> ((d % per) * bits).astype(np.uint32)) & np.uint32((1 << bits) - 1)
-    return _np32(pool.scales[kvh])[slots][:, d // G] * codes.astype(np.float32) + _np32(pool.biases[kvh])[slots][:, d // G]
+    return _np_rows(_np_pool(pool), kvh, slots)
+
+
+def _np_pool(pool):
+    """A pool as NumPy arrays, converted once: float32 rows, or a quantised pool's (codes, scales, biases, bits, group)."""
+    if isinstance(pool, QuantPool):
+        return (np.asarray(pool.codes), _np32(pool.scales), _np32(pool.biases), pool.bits, pool.group_size)
+    return _np32(pool)
 
 
 def _np_rows(pool, kvh: int, slots: np.ndarray) -> np.ndarray:
-    """(len(slots), D) float32 K or V rows of head kvh: a float pool's rows, or a quantised pool's dequantised."""
-    return np_dequantize(pool, kvh, slots) if isinstance(pool, QuantPool) else pool[kvh, slots]
+    """(len(slots), D) float32 K or V rows of head kvh of an `_np_pool`: a float pool's rows, or dequantised."""
+    if not isinstance(pool, tuple):
+        return pool[kvh, slots]
+    codes, scales, biases, bits, G = pool
+    per = 32 // bits
+    d = np.arange(codes.shape[2] * per)
+    words = codes[kvh][slots][:, d // per]  # (n, D) the word holding each element
+    q = (words >> ((d % per) * bits).astype(np.uint32)) & np.uint32((1 << bits) - 1)
+    return scales[kvh][slots][:, d // G] * q.astype(np.float32) + biases[kvh][slots][:, d // G]
 
 
 def paged_attention_online(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, n_partitions: int | None = None, softcap: float | None = None, sinks=None,
-    chunk: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks=None, chunk: int | None = None,
+    splits: int | None = None, tile: int | None = None,
 ) -> mx.array:
-    """The kernel's algorithm in NumPy: same partitions, recurrence and index arithmetic.
+    """The kernel's algorithm in NumPy: same threadgroups, splits, tiles, recurrence and index arithmetic.
 
     Args:
         queries: (B, n_heads, q_len, head_dim), the last q_len positions of each row.
         k_pool, v_pool: (n_kv_heads, num_blocks * block_size, head_dim), head-major slots,
-            or `QuantPool`s (each key and value dequantised as it is read).
+            or `QuantPool`s (each key and value dequantised as it is staged).
         block_tables: int32 (B, max_blocks_per_seq) padded with 0, or lists of block ids.
         context_lens: (B,) tokens in each row's cache, the q_len new ones included.
         block_size: slots per block.
         scale: softmax scale.
         window: sliding window (a query at p sees keys > p - window), or None.
-        n_partitions: simdgroups per row; default `default_simdgroups(head_dim)`,
-            what the kernel launches with.
         softcap: logit soft-capping: a visible score s becomes tanh(s / softcap) * softcap.
         sinks: (n_heads,) attention sinks: a logit per head in the softmax's denominator
             with no value (MLX's SDPA `sinks`), or None.
         chunk: chunked attention: a query at p sees keys >= p // chunk * chunk, or None.
+        splits, tile: S and TK (default: what `launch_plan` launches).
 
     Returns:
         (B, n_heads, q_len, head_dim) in the queries' dtype (computed in float32).
     """
     q = _np32(queries)
-    kp, vp = (p if isinstance(p, QuantPool) else _np32(p) for p in (k_pool, v_pool))
+    kp, vp = _np_pool(k_pool), _np_pool(v_pool)
     tables = np.asarray(padded_tables(block_tables, context_lens, block_size))
     lens = [int(c) for c in np.asarray(context_lens).reshape(-1)]
     B, H, QL, D = q.shape
-    KVH, BS = kp.shape[0], block_size
-    NSG = n_partitions or default_simdgroups(D)
-    W = window or 0
-    CH = chunk or 0
+    KVH, BS = k_pool.shape[0], block_size
+    plan = launch_plan(B, H, QL, KVH, D, BS, context_blocks(lens, BS), window=window, chunk=chunk, splits=splits)
+    S, PB, TK = plan.splits, plan.blocks_per_split, tile or plan.tile
+    G, R = H // KVH, plan.rows
     cap = np.float32(softcap or 0)
     sink = _np32(sinks) if sinks is not None else np.full(H, MASKED, np.float32)
     f32 = np.float32
     out = np.empty_like(q)
-    for b in range(B):  # grid z: one sequence
-        for h in range(H):  # grid y = h * q_len + qi: one query row per threadgroup
-            kvh = h // (H // KVH)  # [1] GQA: the KV head this query head reads
-            for qi in range(QL):
-                p = lens[b] - QL + qi  # [1] absolute position of this query
-                lo = max(0, p - W + 1) if W > 0 else 0
-                lo = max(lo, p // CH * CH) if CH > 0 else lo
-                j_lo, j_hi = lo // BS, p // BS
-                qv = q[b, h, qi]  # (D,)  [2] the query, in float32
-                ms = np.full(NSG, MASKED, f32)
-                ls = np.zeros(NSG, f32)
-                accs = np.zeros((NSG, D), f32)
-                for g in range(NSG):  # one simdgroup each
-                    m, l, acc = f32(MASKED), f32(0), np.zeros(D, f32)
-                    for j in range(j_lo + g, j_hi + 1, NSG):  # [3] round-robin blocks
-                        phys = tables[b, j]  # [3] logical block j -> physical block
-                        pos = j * BS + np.arange(BS)
-                        valid = (pos >= lo) & (pos <= p)
-                        s = np.full(BS, MASKED, f32)  # (BS,)  [4] scores of this block
-                        slots = phys * BS + np.arange(BS)  # [3] this block's slots
-                        s[valid] = (_np_rows(kp, kvh, slots[valid]) @ qv) * f32(scale)
-                        if cap > 0:  # [4] soft-capping, visible slots only
-                            s[valid] = np.tanh(s[valid] / cap) * cap
-                        m_new = max(m, s.max())  # [5] online softmax, once per block
-                        corr = np.exp(m - m_new)
-                        pt = np.exp(s[valid] - m_new)  # masked slots never touch V
-                        l = l * corr + pt.sum()
-                        acc = acc * corr + pt @ _np_rows(vp, kvh, slots[valid])
-                        m = m_new
-                    ms[g], ls[g], accs[g] = m, l, acc
-                M = max(ms.max(), sink[h])  # [6] merge the partitions (and the sink: a logit, no value)
-                w = np.exp(ms - M)
-                out[b, h, qi] = (accs * w[:, None]).sum(0) / ((ls * w).sum() + np.exp(sink[h] - M))
+    for b in range(B):  # grid z
+        C = lens[b]
+        lo0 = first_key(C - QL, window, chunk)  # [1] the rows' union range [lo0, C - 1]
+        for kvh in range(KVH):  # grid y = kvh * S + s
+            heads = [kvh * G + r // QL for r in range(R)]  # [2] the rows
+            ps = [C - QL + r % QL for r in range(R)]
+            los = [first_key(p, window, chunk) for p in ps]
+            qs = [q[b, h, r % QL] for r, h in enumerate(heads)]
+            part_m, part_l, part_acc = np.full((S, R), MASKED, f32), np.zeros((S, R), f32), np.zeros((S, R, D), f32)
+            for s in range(S):
+                m, l, acc = np.full(R, MASKED, f32), np.zeros(R, f32), np.zeros((R, D), f32)
+                j0 = lo0 // BS + s * PB
+                for j in range(j0, min(j0 + PB, (C - 1) // BS + 1)):
+                    phys = tables[b, j]
+                    for t0 in range(0, BS, TK):
+                        pos = j * BS + t0 + np.arange(TK)
+                        if pos[-1] < lo0 or pos[0] > C - 1:
+                            continue
+                        slots = phys * BS + t0 + np.arange(TK)  # [3] stage the tile's tokens in [lo0, C - 1]
+                        staged = (pos >= lo0) & (pos <= C - 1)
+                        kt, vt = np.zeros((TK, D), f32), np.zeros((TK, D), f32)
+                        kt[staged], vt[staged] = _np_rows(kp, kvh, slots[staged]), _np_rows(vp, kvh, slots[staged])
+                        for r in range(R):  # [4] each row's scores over the tile
+                            vis = (pos >= los[r]) & (pos <= ps[r])
+                            sc = np.full(TK, MASKED, f32)
+                            sc[vis] = (kt[vis] @ qs[r]) * f32(scale)
+                            if cap > 0:
+                                sc[vis] = np.tanh(sc[vis] / cap) * cap
+                            m_new = max(m[r], sc.max())  # [5] online softmax, once per tile
+                            corr = np.exp(m[r] - m_new)
+                            pt = np.exp(sc[vis] - m_new)  # masked slots never touch V
+                            l[r] = l[r] * corr + pt.sum()
+                            acc[r] = acc[r] * corr + pt @ vt[vis]
+                            m[r] = m_new
+                part_m[s], part_l[s], part_acc[s] = m, l, acc
+            for r, h in enumerate(heads):  # [6] merge the splits and the sink (pass 2)
+                M = max(part_m[:, r].max(), sink[h])
+                w = np.exp(part_m[:, r] - M)
+                out[b, h, r % QL] = (part_acc[:, r] * w[:, None]).sum(0) / ((part_l[:, r] * w).sum() + np.exp(sink[h] - M))
     dtype = queries.dtype if isinstance(queries, mx.array) else mx.float32
     return mx.array(out).astype(dtype)
 
 
-# The kernel body; MLX writes the signature from the names below. Template
-# parameters: T (dtype), D (head_dim), BS (block_size), NSG (simdgroups per row),
-# and for quantised pools BITS and G (group size). KV_READS becomes FLOAT_READS or
-# QUANT_READS: how element d of K or V at flat slot s (kvh * NS + slot) is read.
-# Launch: grid (32 * NSG, n_heads * q_len, B), threadgroup (32 * NSG, 1, 1).
-_SOURCE = """
-    threadgroup float tg_m[NSG];                // [6] per-partition m, l, acc for the merge
-    threadgroup float tg_l[NSG];
-    threadgroup float tg_acc[NSG * D];
-    KV_READS
-    constexpr int EPL = (D + 31) / 32;          // dims per lane: lane owns d = i * 32 + lane
-    const int H = queries_shape[1];
-    const int QL = queries_shape[2];
-    const int KVH = KV_HEADS;
-    const int MAXB = block_tables_shape[1];
-    const int W = window[0];
-    const int CH = chunk[0];                          // > 0: chunked attention
-    const float sc = scale[0];
-    const float cap = softcap[0];                     // > 0: logit soft-capping
-    const uint lane = thread_index_in_simdgroup;
-    const uint sg = simdgroup_index_in_threadgroup;   // ref: partition g
-    const int b = threadgroup_position_in_grid.z;     // ref: for b
-    const int row = threadgroup_position_in_grid.y;   // ref: for h, for qi
-    const int h = row / QL;
-    const int qi = row % QL;
-
-    // [1] ref: kvh = h // (H // KVH); p = C - QL + qi; lo (window, then chunk), j_lo, j_hi
-    const int kvh = h / (H / KVH);
-    const int p = context_lens[b] - QL + qi;
-    const int lo_w = W > 0 ? metal::max(0, p - W + 1) : 0;
-    const int lo = CH > 0 ? metal::max(lo_w, (p / CH) * CH) : lo_w;
-    const int j_lo = lo / BS;
-    const int j_hi = p / BS;
-
-    // [2] ref: qv = q[b, h, qi] in float32, spread over the lanes
-    const int64_t q_off = ((int64_t)(b * H + h) * QL + qi) * D;
-    float qv[EPL];
-    float acc[EPL];
-    for (int i = 0; i < EPL; ++i) {
-        const int d = i * 32 + lane;
-        qv[i] = d < D ? static_cast<float>(queries[q_off + d]) : 0.0f;
-        acc[i] = 0.0f;
-    }
-    float m = -1.0e30f;                               // ref: m, l = MASKED, 0
-    float l = 0.0f;
-
-    // [3] ref: for j in range(j_lo + g, j_hi + 1, NSG): phys = tables[b, j]
-    for (int j = j_lo + (int)sg; j <= j_hi; j += NSG) {
-        const int64_t phys = block_tables[b * MAXB + j];
-        const int64_t slot0 = kvh * NS + phys * BS;   // flat slot of pool[kvh, phys * BS]
-
-        // [4] ref: s[valid] = (K rows @ qv) * scale (soft-capped); others MASKED
-        float s[BS];
-        float m_blk = -1.0e30f;
-        for (int t = 0; t < BS; ++t) {
-            const int pos = j * BS + t;
-            s[t] = -1.0e30f;
-            if (pos >= lo && pos <= p) {              // uniform across the simdgroup
-                float part = 0.0f;
-                for (int i = 0; i < EPL; ++i) {
-                    const int d = i * 32 + lane;
-                    if (d < D) {
-                        part += qv[i] * K_AT(slot0 + t, d);
-                    }
-                }
-                float st = simd_sum(part) * sc;
-                if (cap > 0.0f) {                     // ref: s = tanh(s / cap) * cap
-                    st = metal::precise::tanh(st / cap) * cap;
-                }
-                s[t] = st;
-            }
-            m_blk = metal::max(m_blk, s[t]);
-        }
-
-        // [5] ref: m_new, corr, l, acc updated once per block; masked slots skip V
-        const float m_new = metal::max(m, m_blk);
-        const float corr = metal::exp(m - m_new);
-        l *= corr;
-        for (int i = 0; i < EPL; ++i) {
-            acc[i] *= corr;
-        }
-        for (int t = 0; t < BS; ++t) {
-            const int pos = j * BS + t;
-            if (pos >= lo && pos <= p) {
-                const float pt = metal::exp(s[t] - m_new);
-                l += pt;
-                for (int i = 0; i < EPL; ++i) {
-                    const int d = i * 32 + lane;
-                    if (d < D) {
-                        acc[i] += pt * V_AT(slot0 + t, d);
-                    }
-                }
-            }
-        }
-        m = m_new;
-    }
-
-    // [6] ref: merge partitions and the sink: M = max(m_g, sink), w_g = exp(m_g - M),
-    //      out = sum w acc / (sum w l + exp(sink - M))
-    if (lane == 0) {
-        tg_m[sg] = m;
-        tg_l[sg] = l;
-    }
-    for (int i = 0; i < EPL; ++i) {
-        const int d = i * 32 + lane;
-        if (d < D) {
-            tg_acc[sg * D + d] = acc[i];
-        }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const float sink = sinks[h];                      // MASKED without sinks: adds exp(-1e30) = 0
-    float M = sink;
-    for (int g = 0; g < NSG; ++g) {
-        M = metal::max(M, tg_m[g]);
-    }
-    float L = metal::exp(sink - M);
-    for (int g = 0; g < NSG; ++g) {
-        L += tg_l[g] * metal::exp(tg_m[g] - M);
-    }
-    for (int d = thread_position_in_threadgroup.x; d < D; d += NSG * 32) {
-        float o = 0.0f;
-        for (int g = 0; g < NSG; ++g) {
-            o += tg_acc[g * D + d] * metal::exp(tg_m[g] - M);
-        }
-        out[q_off + d] = static_cast<T>(o / L);
-    }
-    #undef K_AT
-    #undef V_AT
-"""
-
-FLOAT_READS = """
-    #define K_AT(s, d) static_cast<float>(k_pool[(s) * D + (d)])
-    #define V_AT(s, d) static_cast<float>(v_pool[(s) * D + (d)])
-    const int64_t NS = k_pool_shape[1];             // slots per head: num_blocks * BS"""
-
-# MLX's affine quantisation (macinfer.kv.paged_attention.QuantPool): dequantised per key, in float32.
-QUANT_READS = """
-    constexpr int PER = 32 / BITS;                  // codes per uint32 word, lowest bits first
-    constexpr int WPS = D / PER;                    // words per slot
-    constexpr int GPS = D / G;                      // scales (biases) per slot
-    constexpr uint MASK = (1u << BITS) - 1u;
-    #define KV_AT(c, sc, bi, s, d) (static_cast<float>(sc[(s) * GPS + (d) / G]) * static_cast<float>((c[(s) * WPS + (d) / PER] >> (((d) % PER) * BITS)) & MASK) + static_cast<float>(bi[(s) * GPS + (d) / G]))
-    #define K_AT(s, d) KV_AT(k_codes, k_scales, k_biases, s, d)
-    #define V_AT(s, d) KV_AT(v_codes, v_scales, v_biases, s, d)
-    const int64_t NS = k_codes_shape[1];            // slots per head: num_blocks * BS"""
-
-METAL_SOURCE = _SOURCE.replace("KV_READS", FLOAT_READS.strip()).replace("KV_HEADS", "k_pool_shape[0]")
-QUANT_METAL_SOURCE = (_SOURCE.replace("KV_READS", QUANT_READS.strip()).replace("KV_HEADS", "k_codes_shape[0]")
-                      .replace("    #undef V_AT\n", "    #undef V_AT\n    #undef KV_AT\n"))
-
-_TAIL = ("block_tables", "context_lens", "scale", "window", "softcap", "sinks", "chunk")
-INPUT_NAMES = ("queries", "k_pool", "v_pool", *_TAIL)
-QUANT_INPUT_NAMES = ("queries", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", *_TAIL)
-
-
 @functools.lru_cache(maxsize=None)
-def build_kernel(quantized: bool = False):
-    """The kernel object for float or quantised pools (building works without Metal; calling it needs Metal)."""
-    return mx.fast.metal_kernel(
-        name="macinfer_paged_attention" + ("_q" if quantized else ""),
-        input_names=list(QUANT_INPUT_NAMES if quantized else INPUT_NAMES),
-        output_names=["out"],
-        source=QUANT_METAL_SOURCE if quantized else METAL_SOURCE,
-    )
+def build_kernel(kind: str = "float"):
+    """The kernel object of `kind` "float" / "quant" (pass 1) or "reduce" (pass 2). Building works
+    without Metal; calling it needs Metal."""
+    source, names = {"float": (PASS1_SOURCE, INPUT_NAMES), "quant": (QUANT_PASS1_SOURCE, QUANT_INPUT_NAMES),
+                     "reduce": (REDUCE_SOURCE, REDUCE_INPUT_NAMES)}[kind]
+    return mx.fast.metal_kernel(name=f"macinfer_paged_attention_{kind}", input_names=list(names),
+                                output_names=["out"], source=source, header=HEADER)
 
 
-def kernel_launch(
+def kernel_supports(queries, k_pool, v_pool, *, sinks=None, softcap=None) -> bool:
+    """Whether the kernel computes this call: the dtypes it is checked in, one head_dim (a multiple of 8)
+    for Q, K and V, at most MAX_ROWS rows per KV head, float pools or quantised pools of one bits and
+    group (and not sinks with soft-capping, which the reference refuses too)."""
+    B, H, QL, D = queries.shape
+    quantized = isinstance(k_pool, QuantPool)
+    return (queries.dtype in SUPPORTED_DTYPES and k_pool.shape[-1] == D and v_pool.shape[-1] == D and D % 8 == 0
+            and H % k_pool.shape[0] == 0 and H // k_pool.shape[0] * QL <= MAX_ROWS
+            and quantized == isinstance(v_pool, QuantPool)
+            and (not quantized or k_pool[3:] == v_pool[3:])
+            and not (sinks is not None and softcap is not None))
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The one or two kernel launches of a call: keyword arguments of each kernel object."""
+
+    kind: str  # "float" | "quant": pass 1's kernel
+    plan: LaunchPlan
+    pass1: dict
+    reduce: dict | None  # None: one pass
+
+    @property
+    def pipeline(self) -> tuple:
+        """What MLX compiles for this call: pass 1's template (pass 2's follows from it)."""
+        return (self.kind, *(v for _, v in self.pass1["template"]))
+
+
+def kernel_call(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
-    window: int | None = None, n_simdgroups: int | None = None, softcap: float | None = None, sinks=None,
-    chunk: int | None = None,
-) -> dict:
-    """Keyword arguments of one kernel call: inputs, template, grid, threadgroup, outputs.
+    window: int | None = None, softcap: float | None = None, sinks=None, chunk: int | None = None,
+    n_simdgroups: int | None = None, splits: int | None = None, lens: mx.array | None = None,
+    sink_array: mx.array | None = None,
+) -> KernelCall:
+    """The launches of one call. k_pool and v_pool are both float pools or both `QuantPool`s.
 
-    k_pool and v_pool are both float pools or both `QuantPool`s of one bits and group size
-    (then the quantised kernel, `build_kernel(True)`).
+    block_tables: int32 (B, W) from `padded_tables` (built once per forward), or lists.
+    n_simdgroups: the most simdgroups per threadgroup (a pipeline's thread limit; default
+    MAX_SIMDGROUPS). lens, sink_array: `padded_lens` / `padded_sinks` built once by the caller.
     """
     B, H, QL, D = queries.shape
     BS = block_size
-    NSG = n_simdgroups or default_simdgroups(D)
-    lens = context_lens if isinstance(context_lens, mx.array) else mx.array([int(c) for c in context_lens])
     tables = padded_tables(block_tables, context_lens, BS)
-    template = [("T", queries.dtype), ("D", D), ("BS", BS), ("NSG", NSG)]
+    KVH = k_pool.shape[0]
+    plan = launch_plan(B, H, QL, KVH, D, BS, context_blocks(context_lens, BS), window=window, chunk=chunk,
+                       max_simdgroups=n_simdgroups or MAX_SIMDGROUPS, splits=splits)
     if isinstance(k_pool, QuantPool):
         assert (k_pool.bits, k_pool.group_size) == (v_pool.bits, v_pool.group_size), "K and V quantised alike"
-        pools = [*k_pool[:3], *v_pool[:3]]
-        template += [("BITS", k_pool.bits), ("G", k_pool.group_size)]
+        kind, pools, extra = "quant", [*k_pool[:3], *v_pool[:3]], [("BITS", k_pool.bits), ("GS", k_pool.group_size)]
     else:
-        pools = [k_pool, v_pool]
-    sink = (mx.full((H,), MASKED, mx.float32) if sinks is None else sinks.astype(mx.float32))
-    return dict(
-        inputs=[
-            queries, *pools, tables, lens.astype(mx.int32),
-            mx.array([scale], dtype=mx.float32), mx.array([window or 0], dtype=mx.int32),
-            mx.array([softcap or 0], dtype=mx.float32), sink, mx.array([chunk or 0], dtype=mx.int32),
-        ],
-        template=template,
-        grid=(SIMD_WIDTH * NSG, H * QL, B),
-        threadgroup=(SIMD_WIDTH * NSG, 1, 1),
-        output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
-    )
+        kind, pools, extra = "float", [k_pool, v_pool], []
+    sink = sink_array if sink_array is not None else padded_sinks(sinks, H)
+    inputs = [queries, *pools, tables, lens if lens is not None else padded_lens(context_lens),
+              mx.array([window or 0, chunk or 0, plan.blocks_per_split, plan.splits], dtype=mx.int32),
+              mx.array([scale, softcap or 0], dtype=mx.float32), sink]
+    threads = SIMD_WIDTH * plan.simdgroups
+    template = [("T", queries.dtype), ("D", D), ("BS", BS), ("TK", plan.tile), ("RPS", plan.rows_per_simdgroup),
+                ("SPLIT", plan.split), *extra]
+    out_shape = (B, H, QL, plan.splits, D + 2) if plan.split else queries.shape
+    pass1 = dict(inputs=inputs, template=template, grid=(threads, KVH * plan.splits, B), threadgroup=(threads, 1, 1),
+                 output_shapes=[out_shape], output_dtypes=[mx.float32 if plan.split else queries.dtype])
+    reduce = None
+    if plan.split:
+        reduce = dict(inputs=[None, sink], template=[("T", queries.dtype), ("D", D)], grid=(SIMD_WIDTH, H * QL, B),
+                      threadgroup=(SIMD_WIDTH, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype])
+    return KernelCall(kind, plan, pass1, reduce)
+
+
+def run_call(call: KernelCall, kernels=None) -> mx.array:
+    """Run a KernelCall with MLX's kernel objects (Metal only), or with `kernels[kind](**launch)` (tests)."""
+    get = kernels.__getitem__ if kernels is not None else build_kernel
+    out = get(call.kind)(**call.pass1)[0]
+    if call.reduce is None:
+        return out
+    return get("reduce")(**{**call.reduce, "inputs": [out, call.reduce["inputs"][1]]})[0]
 
 
 def paged_attention_metal(
     queries, k_pool, v_pool, block_tables, context_lens, *, block_size: int, scale: float,
     window: int | None = None, softcap: float | None = None, sinks=None, chunk: int | None = None,
-    n_simdgroups: int | None = None,
+    n_simdgroups: int | None = None, splits: int | None = None, lens: mx.array | None = None,
+    sink_array: mx.array | None = None,
 ) -> mx.array:
-    """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`."""
-    return build_kernel(isinstance(k_pool, QuantPool))(**kernel_launch(
-        queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size, scale=scale, window=window,
-        softcap=softcap, sinks=sinks, chunk=chunk, n_simdgroups=n_simdgroups))[0]
+    """Run the Metal kernel (Metal only). Same arguments as `paged_attention_online`, and `kernel_call`'s."""
+    return run_call(kernel_call(queries, k_pool, v_pool, block_tables, context_lens, block_size=block_size,
+                                scale=scale, window=window, softcap=softcap, sinks=sinks, chunk=chunk,
+                                n_simdgroups=n_simdgroups, splits=splits, lens=lens, sink_array=sink_array))
 
 
 def random_problem(
@@ -478,51 +464,21 @@ def random_problem(
     )
 
 
-def self_check_cases(block_size: int, head_dim: int) -> list[dict]:
-    """Problems the kernel must pass: lengths ending inside and on block boundaries,
-    GQA ratios 1/3/4, q_len 1-3, a window, more blocks than simdgroups, soft-capping, sinks, chunks."""
-    BS = block_size
-    many = (default_simdgroups(head_dim) + 8) * BS + 7  # some simdgroups walk 2 blocks
-    return [
-        dict(context_lens=[1, BS, 3 * BS + 5], q_len=1, n_heads=4, n_kv_heads=4),
-        dict(context_lens=[2 * BS, 5 * BS - 1], q_len=3, n_heads=6, n_kv_heads=2),
-        dict(context_lens=[4 * BS + 1, many], q_len=2, n_heads=8, n_kv_heads=2, window=2 * BS + 3),
-        dict(context_lens=[many], q_len=1, n_heads=3, n_kv_heads=1, sinks=True),
-        dict(context_lens=[3 * BS + 2, BS], q_len=2, n_heads=4, n_kv_heads=2, window=BS + 1, softcap=2.0),
-        dict(context_lens=[3 * BS + 2, 2 * BS + 1], q_len=3, n_heads=4, n_kv_heads=2, chunk=BS + 3),
-    ]
-
-
-def check_case(kernel_fn: AttentionFn, reference_fn: AttentionFn, args: dict) -> str | None:
+def check_case(kernel_fn: AttentionFn, reference_fn: AttentionFn, args: dict, diffs: dict | None = None) -> str | None:
     """Run kernel_fn and reference_fn on one problem, evaluated: None if they agree within
-    `TOLERANCE` of the queries' dtype, else what differed. Exceptions from kernel_fn propagate."""
+    `TOLERANCE` of the queries' dtype, else what differed. Exceptions from kernel_fn propagate.
+    diffs: if given, diffs[dtype name] keeps the largest |difference| seen."""
     got = kernel_fn(**args).astype(mx.float32)
     want = reference_fn(**args).astype(mx.float32)
     mx.eval(got, want)
     tol = TOLERANCE[args["queries"].dtype]
     if got.shape != want.shape:
         return f"shape {got.shape} != {want.shape}"
+    if diffs is not None:
+        name = str(args["queries"].dtype).split(".")[-1] + (" kv8" if isinstance(args["k_pool"], QuantPool) else "")
+        diffs[name] = max(diffs.get(name, 0.0), mx.abs(got - want).max().item())
     if not mx.allclose(got, want, rtol=tol, atol=tol).item():
         return f"max |diff| {mx.abs(got - want).max().item():.3g} > {tol}"
-    return None
-
-
-def self_check(
-    kernel_fn: AttentionFn, reference_fn: AttentionFn, *, head_dim: int = 64, block_size: int = 16,
-    dtypes=SUPPORTED_DTYPES, kv_bits: int | None = None,
-) -> str | None:
-    """Compare kernel_fn with reference_fn on `self_check_cases` (pools quantised to kv_bits if given).
-
-    Returns:
-        None if every case matches within `TOLERANCE`, else a one-line description
-        of the first mismatch. Exceptions from kernel_fn (compile errors) propagate.
-    """
-    for dtype in dtypes:
-        for i, case in enumerate(self_check_cases(block_size, head_dim)):
-            args = random_problem(i, head_dim=head_dim, block_size=block_size, dtype=dtype, kv_bits=kv_bits, **case)
-            failure = check_case(kernel_fn, reference_fn, args)
-            if failure:
-                return f"the Metal paged-attention kernel disagrees with the reference ({dtype}, case {i} {case}: {failure})"
     return None
 
 
