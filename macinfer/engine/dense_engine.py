@@ -43,14 +43,13 @@ import time
 from dataclasses import dataclass
 
 from macinfer.core.logprobs import from_vector
-from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.core.stop_checker import StopChecker
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.llm_engine import new_sequence
-from macinfer.engine.output_processor import OutputProcessor
+from macinfer.engine.output_processor import OutputProcessor, RequestTable
 from macinfer.engine.protocol import EngineFeatures
 from macinfer.errors import MacinferError
 
@@ -155,7 +154,7 @@ class _DenseRequests:
         return bool(self.waiting or self.running)
 
 
-class DenseEngine:
+class DenseEngine(RequestTable):
     """mlx-lm's BatchGenerator (dense caches, continuous batching) behind the Engine protocol.
 
     Args:
@@ -234,16 +233,6 @@ class DenseEngine:
         """Nothing kept per thread beyond what mlx-lm's generator frees itself."""
 
     # -- requests -----------------------------------------------------------------------
-    @property
-    def requests(self) -> dict[str, Sequence]:
-        return self.output.requests
-
-    def request_ids(self) -> list[str]:
-        return list(self.output.requests)
-
-    def request_metrics(self, request_id: str) -> RequestMetrics | None:
-        return self.output.metrics(request_id)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     fork_of: str | None = None) -> str:

@@ -43,7 +43,6 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.decode_graph import pays_off as decode_graph_pays_off
 from macinfer.core.evaluator import StepEvaluator, threads_pay_off
 from macinfer.core.grammar import GrammarCompiler
-from macinfer.core.metrics import RequestMetrics
 from macinfer.core.model_runner import ModelRunner
 from macinfer.core.outputs import StreamDelta
 from macinfer.core.sampling import SamplingParams
@@ -54,7 +53,7 @@ from macinfer.core.state_snapshots import StateSnapshots
 from macinfer.core.stop_checker import StopChecker
 from macinfer.engine.config import EngineConfig, plan_memory, prefix_store, wire_memory
 from macinfer.engine.distributed import LeaderRunner, check_model
-from macinfer.engine.output_processor import OutputProcessor
+from macinfer.engine.output_processor import OutputProcessor, RequestTable
 from macinfer.engine.pipeline import Pipeline
 from macinfer.engine.protocol import EngineFeatures
 from macinfer.errors import MacinferError
@@ -67,7 +66,7 @@ from macinfer.spec_decode.speculator import check_exact, make_spec_decoder
 from macinfer.units import fmt_bytes
 
 
-class LLMEngine:
+class LLMEngine(RequestTable):
     """Continuous-batching engine over a paged KV cache (macinfer.engine.protocol.Engine).
 
     Args:
@@ -214,17 +213,6 @@ class LLMEngine:
         self.grammars.prepare()
 
     # -- requests -----------------------------------------------------------------------
-    @property
-    def requests(self) -> dict[str, Sequence]:
-        """The requests in flight by id (the output processor's table)."""
-        return self.output.requests
-
-    def request_ids(self) -> list[str]:
-        return list(self.output.requests)
-
-    def request_metrics(self, request_id: str) -> RequestMetrics | None:
-        return self.output.metrics(request_id)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     fork_of: str | None = None) -> str:

@@ -90,3 +90,20 @@ class OutputProcessor:
         self.requests.pop(seq.request_id, None)
         seq.grammar = None  # its matcher's memory goes now, not when the last reference to seq does
         return delta
+
+
+class RequestTable:
+    """The request-table part of the Engine protocol, for an engine whose `output` is an OutputProcessor."""
+
+    output: OutputProcessor
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """The requests in flight by id."""
+        return self.output.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.output.requests)
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        return self.output.metrics(request_id)
