@@ -204,39 +204,21 @@ def home_models() -> list[LocalModel]:
 
 def gguf_model(m: LocalModel, gguf: Path) -> LocalModel:
     """Fill a LocalModel from a GGUF file's header (architecture, parameters, types, context)."""
-    from collections import Counter
-
-    from macinfer.modelio.gguf import read_header
+    from macinfer.modelio.gguf_stores import gguf_summary
 
     m.path = gguf
     m.size_bytes = gguf.stat().st_size
     m.last_used = last_access([gguf])
-    try:
-        h = read_header(gguf)
-    except MacinferError:
+    s = gguf_summary(gguf)
+    if s is None:
         return m
-    arch = h.metadata.get("general.architecture")
-    m.architecture = arch
-    n = 0
-    for shape in h.tensor_shapes.values():
-        k = 1
-        for d in shape:
-            k *= int(d)
-        n += k
-    m.num_params = n or None
-    types = Counter(h.tensor_types.values())
-    if types:
-        m.quantization = f"GGUF {types.most_common(1)[0][0]}"
-    ctx = h.metadata.get(f"{arch}.context_length")
-    m.context_length = int(ctx) if isinstance(ctx, int) else None
-    md = h.metadata
-    heads = md.get(f"{arch}.attention.head_count")
-    config = {"model_type": arch, "num_hidden_layers": md.get(f"{arch}.block_count"),
-              "num_attention_heads": heads, "num_key_value_heads": md.get(f"{arch}.attention.head_count_kv") or heads,
-              "hidden_size": md.get(f"{arch}.embedding_length"), "head_dim": md.get(f"{arch}.attention.key_length"),
-              "max_position_embeddings": ctx}  # as the converter's config.json (macinfer.modelio.gguf._config)
-    m.config = {k: v for k, v in config.items() if v is not None}
-    m.config["_gguf_chat_template"] = bool(md.get("tokenizer.chat_template"))
+    m.architecture = s["architecture"]
+    m.num_params = s["num_params"] or None
+    m.quantization = s["quantization"]
+    m.context_length = s["context_length"]
+    m.config = dict(s["config"])
+    m.config["_gguf_chat_template"] = s["chat_template"]
+    m.config["_gguf_types"] = s["types"]
     return m
 
 
