@@ -9,6 +9,7 @@ whole. What is ours:
 - the pre-tokenizers llama.cpp names that transformers' table lacks (SmolLM's and
   StarCoder's "digits, then byte-level"; GPT-2's plain byte-level); any other name is
   refused, since splitting text differently from the vocabulary's training changes ids;
+- SentencePiece spaces as llama.cpp splits them (`_spm_spaces`);
 - Llama 3 style vocabularies ignore merges for a word that is already a token (as its
   tokenizer.json says); BOS added or not exactly as `tokenizer.ggml.add_bos_token` says
   (llama.cpp's default: SentencePiece vocabularies add it, byte-level ones do not);
@@ -71,6 +72,8 @@ def write_tokenizer(md: dict, out: Path, arch: str | None = None) -> None:
     kind, pre = md["tokenizer.ggml.model"], md.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2":
         _pre_tokenize(tok, pre)
+    else:
+        _spm_spaces(tok, bool(md.get("tokenizer.ggml.add_space_prefix", True)))
     tokens: list[str] = md["tokenizer.ggml.tokens"]
 
     def token(key):
@@ -107,6 +110,20 @@ def _pre_tokenize(tok, pre: str) -> None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _IGNORE_MERGES:
         tok.model.ignore_merges = True
+
+
+def _spm_spaces(tok, prefix: bool) -> None:
+    """SentencePiece's spaces as llama.cpp (and sentencepiece) treat them: every space one U+2581,
+    one more in front when add_space_prefix. transformers' Metaspace pre-tokenizer folds a run of
+    leading spaces differently ("  hi": two U+2581 instead of three), so it is replaced here as
+    transformers' own Phi-3 builder does."""
+    from tokenizers import decoders, normalizers
+
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else [])
+                                          + [normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = None
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
 
 
 def _post_process(tok, bos: str | None, bos_id: int | None) -> None:
