@@ -84,6 +84,8 @@ def convert_gguf(src: str | Path, out: str | Path, progress: Progress | None = N
     for i, (gguf_name, param) in enumerate(sorted(names.items())):
         progress(i, n_steps, gguf_name)
         t = to_mlx(f.tensors[gguf_name], src)
+        if t.quant is not None and not param.endswith(".weight"):
+            t = _dequantized(t)  # a quantised bias or scale vector: only a module's weight stays packed
         arrays = transform(fam, gguf_name, t.arrays, config)
         if t.quant is None:
             weights[param] = arrays["weight"]
@@ -100,6 +102,14 @@ def convert_gguf(src: str | Path, out: str | Path, progress: Progress | None = N
     _write_model(out, f, config, weights, report, lambda i, what: progress(n_steps - 2 + i, n_steps, what))
     progress(n_steps, n_steps, "done")
     return out
+
+
+def _dequantized(t: MLXTensor) -> MLXTensor:
+    import mlx.core as mx
+
+    q = t.quant
+    w = mx.dequantize(*t.arrays.values(), group_size=q["group_size"], bits=q["bits"], mode=q["mode"])
+    return MLXTensor({"weight": w.astype(mx.float32)}, t.source_type, None, t.kept_exactly, t.max_err, t.mean_err)
 
 
 def _report_row(gguf_name: str, param: str, t: MLXTensor) -> dict:

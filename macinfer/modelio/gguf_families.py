@@ -68,9 +68,9 @@ def _qwen3moe(f: GGUFFile, c: dict) -> dict:
     return {**_moe(f, c), "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, **_rope_scaling(f)}
 
 
-def _gemma_scalar(f: GGUFFile, c: dict, big_layers: int) -> float:
+def _gemma_scalar(f: GGUFFile, c: dict, big_layers: int) -> int:
     # llama.cpp scales queries by 1/sqrt(n_embd / n_head) for the 27B models, 1/sqrt(head_dim) otherwise.
-    return float(c["hidden_size"] // c["num_attention_heads"] if c["num_hidden_layers"] == big_layers else c["head_dim"])
+    return int(c["hidden_size"] // c["num_attention_heads"] if c["num_hidden_layers"] == big_layers else c["head_dim"])
 
 
 def _gemma2(f: GGUFFile, c: dict) -> dict:

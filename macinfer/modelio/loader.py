@@ -320,13 +320,15 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     by_host = dequantize is None
     if by_host:
         dequantize = dequantize_by_default(get_total_parameters(model), quantized is not None)
+    if not mx.metal.is_available():
+        # NOTE: before dequantising: float16 scales times 8-bit codes need more than float16's
+        # 11 bits, so dequantising first would round the weights (GGUF's Q8_0, Q4_1 ...).
+        _cast_for_cpu(model)
     if dequantize and quantized:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if group is not None:
         parallel = shard_model(model, config, name, group, parallel)
-    if not mx.metal.is_available():
-        _cast_for_cpu(model)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # transformers raises many kinds here
