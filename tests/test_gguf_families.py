@@ -236,3 +236,91 @@ def test_every_type_on_llama(tmp_path):
         assert r["exact"] == (t not in REQUANT_BITS), r
         assert (r["max_abs_err"] > 0) == (t in REQUANT_BITS), r
     assert seen["MXFP4"]["mlx"] == "4-bit mxfp4 g32" and seen["BF16"]["mlx"] == "bfloat16"
+
+
+# -- tokenizers ---------------------------------------------------------------------------------
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, MIT), as the vocabularies were trained with them.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKENIZER_TEXTS = TEXTS + ["  indented\n\tcode = {'a': [1, 22, 333, 4444]}\n", "Привет, мир! ¿Qué tal? 1234567",
+                           "<|im_start|>system\nYou are 42.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def _split_pre_tokenizer(kind: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    if kind == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(kind), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@pytest.mark.parametrize("pre, split", [("gpt2", "gpt2"), ("smollm", "digits"), ("starcoder", "digits"),
+                                        ("llama-bpe", LLAMA3_SPLIT), ("qwen2", QWEN2_SPLIT), ("gpt-4o", GPT4O_SPLIT)],
+                         ids=["gpt2", "smollm", "starcoder", "llama-bpe", "qwen2", "gpt-4o"])
+def test_byte_level_tokenizer_gives_the_vocabulary_ids(tmp_path, pre, split):
+    """A BPE vocabulary trained with llama.cpp's split for `pre`, stored as GGUF metadata, encodes as it was trained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from macinfer.modelio.gguf_tokenizer import write_tokenizer
+    from tiny import CORPUS
+
+    ref = Tokenizer(models.BPE(ignore_merges=pre in ("llama-bpe", "gpt-4o")))
+    ref.pre_tokenizer = _split_pre_tokenizer(split)
+    ref.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    ref.train_from_iterator([CORPUS * 3, " ".join(TOKENIZER_TEXTS) * 5], trainer=trainer)
+    tj = json.loads(ref.to_str())
+    by_id = {i: t for t, i in tj["model"]["vocab"].items()}
+    md = {"general.architecture": "qwen2", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+          "tokenizer.ggml.tokens": [by_id[i] for i in range(len(by_id))],
+          "tokenizer.ggml.token_type": [3 if by_id[i] in special else 1 for i in range(len(by_id))],
+          "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]],
+          "tokenizer.ggml.eos_token_id": 2}
+    write_tokenizer(md, tmp_path)
+    got = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in TOKENIZER_TEXTS:
+        assert got.encode(text).ids == ref.encode(text).ids, text
+        assert got.decode(got.encode(text).ids, skip_special_tokens=False) == text
+    im_start = tj["model"]["vocab"]["<|im_start|>"]
+    assert got.encode(TOKENIZER_TEXTS[-1]).ids[0] == im_start  # a control token stays whole
+
+
+def test_gemma_sentencepiece_without_space_prefix_matches_sentencepiece(tmp_path):
+    """Gemma's vocabulary ('llama' model, add_space_prefix false, merges from token order) vs sentencepiece."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer
+
+    from macinfer.modelio.gguf_tokenizer import write_tokenizer
+    from tiny import CORPUS
+
+    (tmp_path / "corpus.txt").write_text((CORPUS.replace("\n", " ") + "\n") * 30 + " ".join(TOKENIZER_TEXTS) * 10)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=600, hard_vocab_limit=False,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2, add_dummy_prefix=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        allow_whitespace_only_pieces=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"])
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else
+             4 if sp.id_to_piece(i).startswith("<") and sp.id_to_piece(i).endswith("_turn>") else 1 for i in range(n)]
+    md = {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama",
+          "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+          "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+          "tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_bos_token": True,
+          "tokenizer.ggml.add_space_prefix": False}
+    write_tokenizer(md, tmp_path)
+    got = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in TOKENIZER_TEXTS[:3] + ["<start_of_turn>user\nZebra Ω 2024<end_of_turn>\n"]:
+        assert got.encode(text).ids == [sp.bos_id()] + sp.encode(text), text
