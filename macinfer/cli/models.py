@@ -132,7 +132,7 @@ def rm_cmd(model, yes):
     if not yes:
         click.confirm(f"delete {plan.what}, freeing {fmt_bytes(plan.freed_bytes)}?", abort=True, err=True)
     plan.execute()
-    click.echo(f"removed {model}: freed {fmt_bytes(plan.freed_bytes)}")
+    click.echo(f"removed {model}: freed {fmt_bytes(plan.freed_bytes)}" + (f" ({plan.kept})" if plan.kept else ""))
 
 
 def paged_engine_check(config: dict) -> str:

@@ -69,7 +69,11 @@ def converted_path(gguf_path: str | Path, name: str | None = None, digest: str |
         raise MacinferError(f"{path}: no such GGUF file")
     key = hashlib.sha256(f"{file_digest(path, digest)}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", name or path.stem).strip("-.") or "gguf"
-    return cache_dir() / "models" / f"{stem}-{key}"
+    target = cache_dir() / "models" / f"{stem}-{key}"
+    if not (target / "config.json").is_file():  # the same bytes reached under another name: one conversion
+        same = sorted(p for p in target.parent.glob(f"*-{key}") if (p / "config.json").is_file())
+        target = same[0] if same else target
+    return target
 
 
 def ensure_converted(gguf_path: str | Path, progress=None, *, name: str | None = None, digest: str | None = None,

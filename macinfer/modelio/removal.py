@@ -26,6 +26,7 @@ class Removal:
     freed_bytes: int
     execute: Callable[[], None]
     paths: list[Path] = field(default_factory=list)
+    kept: str = ""  # what stays that the user might think goes (another tool's file)
 
 
 def plan_removal(spec: str) -> Removal:
@@ -114,7 +115,8 @@ def _plan_gguf(spec: str, m) -> Removal:
     def run():
         shutil.rmtree(conv)
 
-    return Removal(f"macinfer's conversion of {spec} ({conv}; the GGUF file stays)", size, run, [conv])
+    return Removal(f"macinfer's conversion of {spec} ({conv}; the GGUF file stays)", size, run, [conv],
+                   f"the GGUF file stays: {owner} removes it")
 
 
 def match_prefix_dirs(spec: str) -> list[PrefixDir]:
