@@ -84,8 +84,12 @@ def gguf_names(arch: str, params: list[str], n_layers: int) -> dict[str, str]:
     return out
 
 
-def write_family_gguf(arch: str, src: Path, out: Path, types, tokenizer_pre: str = "gpt2") -> dict:
-    """The tiny model in src as llama.cpp would export it; returns {gguf name: (mlx name, type)}."""
+def write_family_gguf(arch: str, src: Path, out: Path, types, tokenizer_pre: str = "gpt2",
+                      extra: dict | None = None) -> dict:
+    """The tiny model in src as llama.cpp would export it; returns {gguf name: (mlx name, type)}.
+
+    extra: more tensors to write as they are (F32), e.g. a vision tower.
+    """
     config = json.loads((src / "config.json").read_text())
     params = dict(mx.load(str(src / "model.safetensors")))
     names = gguf_names(arch, list(params), config["num_hidden_layers"])
@@ -109,6 +113,8 @@ def write_family_gguf(arch: str, src: Path, out: Path, types, tokenizer_pre: str
         else:
             w.add_tensor(name, quantize(v, t), raw_dtype=gguf.GGMLQuantizationType[t])
         written[name] = (p, t)
+    for name, v in (extra or {}).items():
+        w.add_tensor(name, v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -224,6 +230,16 @@ def test_family_converts_like_gguf_dequantised_oracle(arch, tmp_path):
     kinds = {r["type"]: (r["mlx"], r["exact"]) for r in report["tensors"]}
     assert kinds["Q4_K"] == ("4-bit affine g32", True) and kinds["Q5_K"] == ("5-bit affine g32", True)
     assert kinds["Q8_0"] == ("8-bit affine g32", True) and kinds["Q6_K"] == ("8-bit affine g32", False)
+
+
+def test_a_vision_tower_in_the_file_is_left_out(tmp_path):
+    """Ollama's Gemma 3 blobs hold the vision tower too: the text model converts alone."""
+    src = build_from_config(tmp_path / "src", {**BASE, **FAMILIES["gemma3"]})
+    vision = {"v.blk.0.attn_q.weight": np.ones((64, 64), np.float32), "mm.input_projection.weight": np.ones((256, 64),
+                                                                                                          np.float32)}
+    write_family_gguf("gemma3", src, tmp_path / "g.gguf", lambda name, i: "Q4_K", extra=vision)
+    report = json.loads((convert_gguf(tmp_path / "g.gguf", tmp_path / "out") / REPORT).read_text())
+    assert not any(r["tensor"].startswith(("v.", "mm.")) for r in report["tensors"])
 
 
 def test_every_type_on_llama(tmp_path):

