@@ -158,3 +158,32 @@ def test_ollama_names_off_the_library_and_the_registry(tmp_path, monkeypatch, ti
     assert find_stored("ollama:tinyqwen").path == find_stored("ollama:tinyqwen:latest").path
     assert find_stored("ollama:hf.co/someone/Tiny-GGUF:Q4_K_M").digest == hashlib.sha256(
         tiny_gguf.read_bytes()).hexdigest()
+
+
+def test_serve_discovers_a_stored_gguf_and_serves_it_by_name(stores):
+    """`macinfer serve` lists Ollama's model among its own and answers with it as mlx-lm does on the conversion."""
+    import httpx2 as httpx
+    import openai
+
+    from macinfer.llm import LLM
+    from macinfer.modelio.embedded import converted_path
+    from macinfer.modelio.gguf_stores import find_stored
+    from macinfer.serve.model_pool import PoolOptions, local_models
+    from macinfer.serve.server import create_app, serve_in_thread
+    from oracle import mlx_lm_greedy, mlx_lm_load
+
+    before = snapshot(stores["roots"])
+    name = "ollama:tinyqwen:q4"
+    assert name in local_models()
+    load = lambda spec: LLM(spec, num_blocks=33)  # noqa: E731
+    app = create_app(load(NAMES[2]), model_name=NAMES[2], models=PoolOptions(load=load, discover=local_models))
+    with serve_in_thread(app) as url:
+        assert name in {c["id"] for c in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model=name, prompt="Paged attention stores", max_tokens=6, temperature=0,
+                                 extra_body={"return_token_ids": True})
+    stored = find_stored(name)
+    conv = converted_path(stored.path, name, stored.digest)
+    _, tok = mlx_lm_load(str(conv))
+    assert r.choices[0].model_extra["token_ids"] == mlx_lm_greedy(conv, tok.encode("Paged attention stores"), 6)
+    assert snapshot(stores["roots"]) == before

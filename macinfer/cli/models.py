@@ -44,7 +44,8 @@ def _table(columns: list[str], rows: list[list[str]], right: tuple[str, ...] = (
 
 def _source(m) -> str:
     return {"hf-cache": "HF cache", "home": "MACINFER_HOME", "embedded": "embedded", "path": "path",
-            "catalog": "catalog", "ollama": "Ollama", "lmstudio": "LM Studio", "hf-gguf": "HF cache (GGUF)"}.get(m.kind, m.kind)
+            "catalog": "catalog", "ollama": "Ollama", "lmstudio": "LM Studio",
+            "hf-gguf": "HF cache (GGUF)"}.get(m.kind, m.kind)
 
 
 @click.command("ls")

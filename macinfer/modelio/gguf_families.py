@@ -106,15 +106,15 @@ def _starcoder2(f: GGUFFile, c: dict) -> dict:
 
 def _gpt_oss(f: GGUFFile, c: dict) -> dict:
     n = c["num_hidden_layers"]
-    out = {"num_local_experts": int(f.arch_key("expert_count")), "num_experts_per_tok": int(f.arch_key("expert_used_count")),
+    out = {"num_local_experts": int(f.arch_key("expert_count")),
+           "num_experts_per_tok": int(f.arch_key("expert_used_count")),
            "intermediate_size": int(f.arch_key("expert_feed_forward_length", c["intermediate_size"])),
            "sliding_window": int(f.arch_key("attention.sliding_window", 128)),
            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
     if f.arch_key("rope.scaling.type") == "yarn":
+        original = int(f.arch_key("rope.scaling.original_context_length", 4096))
         out["rope_scaling"] = {"rope_type": "yarn", "factor": _num(f.arch_key("rope.scaling.factor", 1.0)),
-                               "original_max_position_embeddings": int(f.arch_key("rope.scaling.original_context_length",
-                                                                                  4096)),
-                               "beta_fast": 32.0, "beta_slow": 1.0}
+                               "original_max_position_embeddings": original, "beta_fast": 32.0, "beta_slow": 1.0}
     return out
 
 
@@ -159,7 +159,8 @@ def hf_config(f: GGUFFile) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(f.arch_key("attention.head_count_kv", heads)),
         "head_dim": int(f.arch_key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": _num(f.arch_key("attention.layer_norm_rms_epsilon", f.arch_key("attention.layer_norm_epsilon", 1e-5))),
+        "rms_norm_eps": _num(f.arch_key("attention.layer_norm_rms_epsilon",
+                                        f.arch_key("attention.layer_norm_epsilon", 1e-5))),
         "rope_theta": _num(f.arch_key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(f.arch_key("context_length", 4096)),
         "vocab_size": int(vocab),

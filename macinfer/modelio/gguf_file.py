@@ -86,7 +86,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, UnicodeDecodeError) as e:
         msg = " ".join(str(e).split())[:120] or type(e).__name__
-        raise MacinferError(f"{path} is a truncated or corrupt GGUF file ({msg}): download or export it again") from None
+        raise MacinferError(f"{path} is a truncated or corrupt GGUF file ({msg}): "
+                            "download or export it again") from None
     metadata = {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     if int(metadata.get("split.count", 1) or 1) > 1:
         raise MacinferError(f"{path} is part {int(metadata.get('split.no', 0)) + 1} of a split GGUF "

@@ -3,11 +3,12 @@
 Each is listed under a name `macinfer run / chat / serve / show` accept, read in place (the
 converter memory-maps it) and never written, moved or deleted by macinfer:
 
-| store | where | name |
-|---|---|---|
-| Ollama | `$OLLAMA_MODELS`, else ~/.ollama/models: `manifests/<host>/<namespace>/<model>/<tag>` (JSON; its `application/vnd.ollama.image.model` layer) -> `blobs/sha256-<hex>` | `ollama:qwen3:4b` (`ollama:<namespace>/<model>:<tag>` off the library, `<host>/...` off the registry) |
-| LM Studio | ~/.lmstudio/models, ~/.cache/lm-studio/models: `<publisher>/<repo>/<file>.gguf` | `lmstudio:<publisher>/<repo>/<file>.gguf` |
-| Hugging Face | the hub cache's snapshots (macinfer.modelio.registry.hf_hub_cache) | `hf:<owner>/<repo>/<file>.gguf` |
+- Ollama: `$OLLAMA_MODELS`, else ~/.ollama/models: `manifests/<host>/<namespace>/<model>/<tag>`
+  (JSON; its `application/vnd.ollama.image.model` layer) -> `blobs/sha256-<hex>`. Named
+  `ollama:qwen3:4b`; `ollama:<namespace>/<model>:<tag>` off the library, `<host>/...` off the registry.
+- LM Studio: ~/.lmstudio/models, ~/.cache/lm-studio/models: `<publisher>/<repo>/<file>.gguf`.
+  Named `lmstudio:<publisher>/<repo>/<file>.gguf`.
+- Hugging Face: the hub cache's model repos, current snapshot. Named `hf:<owner>/<repo>/<file>.gguf`.
 
 Vision projectors (`mmproj*.gguf`, Ollama's projector layers) are not models and are skipped.
 
@@ -81,7 +82,8 @@ def _ollama_model(manifest: Path) -> StoredGGUF:
         layers = json.loads(manifest.read_text()).get("layers")
         model = [layer for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
     except (OSError, ValueError, AttributeError, TypeError) as e:
-        raise MacinferError(f"{manifest}: broken Ollama manifest ({type(e).__name__}): `ollama pull` it again") from None
+        raise MacinferError(f"{manifest}: broken Ollama manifest ({type(e).__name__}): "
+                            "`ollama pull` it again") from None
     if len(model) != 1 or not isinstance(model[0].get("digest"), str):
         raise MacinferError(f"{manifest}: broken Ollama manifest (no single model layer with a digest): "
                             "`ollama pull` it again")

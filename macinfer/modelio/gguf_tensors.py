@@ -278,4 +278,5 @@ def _mxfp4(chunk: np.ndarray, cols: int) -> dict:
     rows = chunk.shape[0]
     b = chunk.reshape(-1, 17)
     codes = _nibbles(b[:, 1:17]).reshape(rows, cols)
-    return {"weight": mx.array(_pack_bits(codes, 4)), "scales": mx.array(np.ascontiguousarray(b[:, 0]).reshape(rows, -1))}
+    scales = np.ascontiguousarray(b[:, 0]).reshape(rows, -1)
+    return {"weight": mx.array(_pack_bits(codes, 4)), "scales": mx.array(scales)}
