@@ -212,12 +212,10 @@ def home_models(skip_sources: set[str] = frozenset()) -> list[LocalModel]:
 
 def gguf_model(m: LocalModel, gguf: Path) -> LocalModel:
     """Fill a LocalModel from a GGUF file's header (architecture, parameters, types, context)."""
-    from macinfer.modelio.gguf_stores import gguf_summary
-
     m.path = gguf
     m.size_bytes = gguf.stat().st_size
     m.last_used = last_access([gguf])
-    s = gguf_summary(gguf)
+    s = gguf_stores.gguf_summary(gguf)
     if s is None:
         return m
     m.architecture = s["architecture"]
