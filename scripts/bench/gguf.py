@@ -12,7 +12,7 @@ Two real models (nothing downloads at run time; both come from PyPI wheels):
     instead (--fallback requant re-quantises them as llama-quantize does).
 
 For each: convert the GGUF (what each type became is printed), ask it "the capital of France"
-through `macinfer run`, then measure decode tok/s (mlx-lm's stream_generate, greedy, A and B
+through `macinfer run`, then measure decode tok/s (mlx-lm's generate_step, greedy, A and B
 interleaved, --runs each; the best run is the figure compared, the median is printed beside it:
 on a shared machine the best is the least disturbed) of:
   A  the converted GGUF,
@@ -146,12 +146,15 @@ def ask(model: str, prompt: str) -> str:
 
 
 def decode_tps(model, tok, prompt: str, tokens: int) -> float:
-    from mlx_lm import stream_generate
+    """Tokens a second after the first (which carries the prefill); EOS does not stop it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
 
-    last = None
-    for last in stream_generate(model, tok, prompt, max_tokens=tokens):
-        pass
-    return last.generation_tps
+    steps = generate_step(mx.array(tok.encode(prompt)), model, max_tokens=tokens + 1)
+    next(steps)
+    t0 = time.perf_counter()
+    n = sum(1 for _ in steps)
+    return n / (time.perf_counter() - t0)
 
 
 def bench(label: str, gguf_path: Path, work: Path, tokens: int, runs: int) -> None:
