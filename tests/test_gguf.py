@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 from macinfer.modelio.embedded import cache_dir, embedded_gguf_path, ensure_converted
 from macinfer.errors import MacinferError
 from macinfer.modelio.gguf import convert_gguf
-from macinfer.modelio.gguf_header import read_header
+from macinfer.modelio.gguf_file import open_gguf
 from macinfer.modelio.gguf_tokenizer import write_tokenizer
 
 TEXTS = [
@@ -318,23 +318,32 @@ def test_random_bytes(tmp_path):
 
 
 def test_unsupported_architecture(tiny_models, tmp_path):
-    gguf = write_gguf(tiny_models("llama"), tmp_path / "other.gguf", arch="qwen2")
-    _assert_clean_failure(gguf, tmp_path, "'qwen2'", "not supported")
+    gguf = write_gguf(tiny_models("llama"), tmp_path / "other.gguf", arch="rwkv6")
+    _assert_clean_failure(gguf, tmp_path, "other.gguf", "'rwkv6'", "not supported")
 
 
-def test_unsupported_tensor_type(tiny_gguf, tmp_path):
-    # Relabel one F32 tensor as Q6_K (type 14): its 4-byte-per-element data still fits.
-    data = bytearray(tiny_gguf.read_bytes())
-    name = b"blk.1.ffn_down.weight"
+def _relabel(src: Path, out: Path, tensor: str, ggml_type: int) -> Path:
+    """src with `tensor`'s GGML type field set to ggml_type (its F32 data, 4 bytes an element, still fits)."""
+    data = bytearray(src.read_bytes())
+    name = tensor.encode()
     at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
     assert struct.unpack_from("<I", data, type_at)[0] == 0  # F32
-    struct.pack_into("<I", data, type_at, 14)
-    bad = tmp_path / "k.gguf"
-    bad.write_bytes(bytes(data))
-    assert read_header(bad).tensor_types["blk.1.ffn_down.weight"] == "Q6_K"
-    _assert_clean_failure(bad, tmp_path, "blk.1.ffn_down.weight", "Q6_K")
+    struct.pack_into("<I", data, type_at, ggml_type)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_unsupported_tensor_type(tiny_gguf, tmp_path):
+    bad = _relabel(tiny_gguf, tmp_path / "k.gguf", "blk.1.ffn_down.weight", 9)  # Q8_1: llama.cpp's internal type
+    assert open_gguf(bad).tensors["blk.1.ffn_down.weight"].type_name == "Q8_1"
+    _assert_clean_failure(bad, tmp_path, "k.gguf", "blk.1.ffn_down.weight", "Q8_1", "not supported")
+
+
+def test_unknown_tensor_type(tiny_gguf, tmp_path):
+    bad = _relabel(tiny_gguf, tmp_path / "u.gguf", "blk.0.attn_k.weight", 99)
+    _assert_clean_failure(bad, tmp_path, "u.gguf", "blk.0.attn_k.weight", "GGML type 99")
 
 
 @pytest.mark.parametrize("metadata, needles", [
@@ -424,9 +433,9 @@ def test_ensure_converted_loses_race_gracefully(tiny_gguf, tmp_path, monkeypatch
     monkeypatch.setenv("MACINFER_HOME", str(tmp_path / "home"))
     real = g.convert_gguf
 
-    def racing(src, out, progress=None):
+    def racing(src, out, progress=None, log=None):
         real(src, out)  # another process finishes first ...
-        return real(src, out, progress)  # ... so ours finds `out` taken
+        return real(src, out, progress, log)  # ... so ours finds `out` taken
 
     monkeypatch.setattr(g, "convert_gguf", racing)
     out = ensure_converted(tiny_gguf)

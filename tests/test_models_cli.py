@@ -78,7 +78,9 @@ def one_line_error(r, *words):
 
 
 def tree(path: Path) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+    """Every path under `path`, less MACINFER_HOME's GGUF index (digests and header summaries:
+    a cache any command reading a GGUF may add to; macinfer.modelio.gguf_stores)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.relative_to(path).parts[0] != "gguf")
 
 
 @pytest.fixture

