@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from macinfer.chat import constraints
 from macinfer.chat.output import OutputParser
-from macinfer.chat.reasoning import thinking_of, thought_open
+from macinfer.chat.reasoning import harmony_encoding, thinking_of, thought_open
 from macinfer.chat.template import render
 from macinfer.chat.tool_calls import tool_syntax
 from macinfer.core.grammar import StructuredOutput
@@ -88,11 +88,14 @@ def prepare(tokenizer, req: ChatRequest, params: SamplingParams | None = None) -
 
     Raises:
         ChatRequestError: a field that cannot be honoured, named.
+        MacinferError: the model's format cannot be read here (harmony's vocabulary missing).
     """
     params = params or SamplingParams()
     if not req.messages:
         raise ChatRequestError("messages must hold at least one message", "messages")
     thinking = thinking_of(tokenizer)
+    if thinking is not None and thinking.family == "harmony":
+        harmony_encoding()  # its MacinferError now, not from the first parser
     tools, named = _offered_tools(req)
     syntax = tool_syntax(tokenizer, thinking) if tools else None
     enable = req.enable_thinking

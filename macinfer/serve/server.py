@@ -124,6 +124,8 @@ class Server:
             return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)))
         except ChatRequestError as e:
             raise APIError(400, str(e), e.param, "invalid_value") from None
+        except MacinferError as e:  # the model's own format cannot be read here: not the request's fault
+            raise APIError(500, str(e), None, "model_format_unavailable", "server_error") from None
 
     @staticmethod
     def completion_prompt(llm, req: CompletionRequest) -> list[int]:
