@@ -136,6 +136,12 @@ class RemoteBackend:
     def encode(self, messages: list[dict]) -> ChatPrompt:
         return ChatPrompt(messages)
 
+    def prepare(self, messages: list[dict], params: SamplingParams, think: bool | None = None):
+        """(the conversation to send, sampling, no parser): the server splits the thought itself."""
+        prompt = ChatPrompt(messages)
+        prompt.think = think
+        return prompt, params, None
+
     def add_request(self, prompt: ChatPrompt, params: SamplingParams, request_id: str) -> str:
         """Start streaming the reply on a thread of its own (the server answers after its prefill)."""
         s = self.streams[request_id] = _Stream(request_id, time.perf_counter())
@@ -143,6 +149,8 @@ class RemoteBackend:
                     temperature=params.temperature, stream=True, stream_options={"include_usage": True})
         if params.seed is not None:
             args["seed"] = params.seed
+        if getattr(prompt, "think", None) is not None:
+            args["extra_body"] = {"chat_template_kwargs": {"enable_thinking": prompt.think}}
         threading.Thread(target=self._read, args=(s, args), name=f"stream-{request_id}", daemon=True).start()
         return request_id
 
