@@ -45,14 +45,14 @@ class Thought(Collapsible):
     """
 
     def __init__(self, text: str = "", done: bool = False, title: str = "thinking"):
-        self.body = Static(text, markup=False, classes="thought-text")
+        self.body = Static(text.strip(), markup=False, classes="thought-text")
         super().__init__(self.body, title=title, collapsed=done)
         self.text = text
 
     def add(self, text: str, tokens: int, seconds: float, done: bool) -> None:
         self.text += text
         if text:
-            self.body.update(self.text)
+            self.body.update(self.text.strip())
         self.title = thought_title(tokens, seconds, done)
         if done:
             self.collapsed = True
