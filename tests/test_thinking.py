@@ -245,3 +245,38 @@ def test_bad_tool_and_format_requests_are_400s_naming_the_field(family, extra, p
     err = r.json()["error"]
     assert err["param"] == param and "\n" not in err["message"], err
     assert post(url, {"messages": MESSAGES, "max_tokens": 2}).status_code == 200
+
+
+# -- earlier turns: thoughts as each template reads them ---------------------------------------------
+CALL_TURN = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+@pytest.mark.parametrize("name, field", [("qwen3", "reasoning_content"), ("qwen3", "reasoning"),
+                                         ("gpt_oss", "reasoning_content")])
+def test_an_earlier_thought_reaches_the_template(family, name, field):
+    url, path, _ = family(name)
+    thought = "the user wants the weather so call get weather"
+    sent = [MESSAGES[0], {**CALL_TURN, field: thought}, RESULT]
+    r = post(url, {"messages": sent, "tools": TOOLS, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    _, tok = mlx_lm_load(str(path))
+    call = {**CALL_TURN, "tool_calls": [{**CALL_TURN["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    key = "thinking" if name == "gpt_oss" else "reasoning_content"  # what each template reads
+    ids = tok.apply_chat_template([MESSAGES[0], {**call, key: thought}, RESULT], tools=TOOLS, add_generation_prompt=True)
+    assert thought in tok.decode(ids)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_forced_call_in_a_syntax_without_a_grammar_is_a_400_naming_it(tmp_path):
+    """A template mlx-lm reads as pythonic tool calls: "auto" parses them, a forced call cannot be held."""
+    from tiny import CHAT_TEMPLATE, build_tiny_model
+
+    path = build_tiny_model(tmp_path / "pythonic", tokenizer={"chat_template": CHAT_TEMPLATE + "{# <|tool_call_start|> #}"})
+    with serve_in_thread(create_app(LLM(str(path), num_blocks=64), model_name="m")) as url:
+        r = post(url, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "pythonic" in r.json()["error"]["message"]
+        assert post(url, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}).status_code == 200

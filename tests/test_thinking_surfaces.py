@@ -164,3 +164,24 @@ async def test_chat_thought_is_live_then_folds_and_think_off_asks_for_none():
         await send(pilot, "And at sunset?")
         await wait_for(pilot, lambda: app.chat.request_id is None, what="the second reply")
         assert len(app.chat.query(Thought)) == 1  # the stub thinks only when asked to
+
+
+@pytest.mark.anyio
+async def test_chat_on_a_server_shows_the_thought_the_server_split(models):
+    """`chat --url`: the server's reasoning_content deltas fill the thought block."""
+    import openai
+
+    from macinfer.serve.server import create_app, serve_in_thread
+
+    path = models("r1_distill")
+    with serve_in_thread(create_app(LLM(str(path), num_blocks=64), model_name="r1")) as url:
+        want = openai.OpenAI(base_url=url + "/v1", api_key="x").chat.completions.create(
+            model="r1", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0).choices[0].message
+        app = ChatApp(url=url, max_tokens=8)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot)
+            await send(pilot, PROMPT)
+            await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+            block = app.chat.query_one(Thought)
+            assert block.text == want.reasoning_content and block.title.startswith("thought for ")
+            assert app.chat.query(Reply).last().text == (want.content or "")
