@@ -147,7 +147,9 @@ class RemoteBackend:
     def add_request(self, prompt: ChatPrompt, params: SamplingParams, request_id: str) -> str:
         """Start streaming the reply on a thread of its own (the server answers after its prefill)."""
         s = self.streams[request_id] = _Stream(request_id, time.perf_counter())
-        args = dict(model=self.info.name, messages=prompt.messages, max_tokens=params.max_tokens,
+        # A turn's kept thought stays here: other servers refuse message fields they do not know.
+        messages = [{k: v for k, v in m.items() if k != "reasoning"} for m in prompt.messages]
+        args = dict(model=self.info.name, messages=messages, max_tokens=params.max_tokens,
                     temperature=params.temperature, stream=True, stream_options={"include_usage": True})
         if params.seed is not None:
             args["seed"] = params.seed
