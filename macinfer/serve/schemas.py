@@ -6,8 +6,11 @@ field is refused with a 400 naming it (`check_known`), since a silently ignored 
 back; `macinfer serve --lenient` accepts and ignores them instead. Fields that would
 change the output and that macinfer cannot honour are refused by `check_supported`.
 vLLM's extensions (top_k, min_p, ignore_eos, return_token_ids, guided_json / guided_regex /
-guided_choice / guided_grammar) are fields like any other. `response_format` and the guided_*
-fields become the request's StructuredOutput (`structured_output`), enforced while sampling.
+guided_choice / guided_grammar) are fields like any other, and so are the thinking controls
+(`reasoning_effort`, `chat_template_kwargs`). The guided_* fields (and, on /v1/completions,
+`response_format`) become the request's StructuredOutput (`structured_output`), enforced while
+sampling; a chat request's `response_format`, `tools` and `tool_choice` go to macinfer.chat,
+which starts the grammar after the model's thought.
 """
 
 from __future__ import annotations
