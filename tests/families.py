@@ -2,6 +2,7 @@
 families' special tokens and published chat templates (tests/chat_templates/, licences there).
 
     qwen3        `<think>` ... `</think>` and Hermes-style `<tool_call>` JSON (mlx-lm: json_tools)
+    qwen3_coder  Qwen3-Coder's XML tool calls (`<function=NAME>`, `<parameter=KEY>`; mlx-lm: qwen3_coder)
     r1_distill   DeepSeek-R1-Distill: the template opens the thought in the prompt; no tool parser
                  in mlx-lm, so tools take the generic JSON format
     gpt_oss      gpt-oss's harmony channels (analysis / commentary / final)
@@ -26,6 +27,10 @@ FAMILIES = {
     "qwen3": dict(
         template="Qwen-Qwen3-0.6B.jinja",
         special_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        eos_token="<|im_end|>"),
+    "qwen3_coder": dict(
+        template="Qwen-Qwen3-Coder.jinja",
+        special_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
         eos_token="<|im_end|>"),
     "r1_distill": dict(
         template="deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",

@@ -280,3 +280,22 @@ def test_a_forced_call_in_a_syntax_without_a_grammar_is_a_400_naming_it(tmp_path
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "pythonic" in r.json()["error"]["message"]
         assert post(url, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}).status_code == 200
+
+
+def test_qwen3_coder_xml_call_forced_and_read_back_by_mlx_lm_parser(family):
+    """Qwen3-Coder's XML: each parameter in its own tag, read back by type (mlx-lm's qwen3_coder parser)."""
+    url, _, _ = family("qwen3_coder")
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                               "unit": {"enum": ["c", "f"]}},
+              "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
+    for seed in range(3):
+        body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+                "max_tokens": 300, "temperature": 1.0, "seed": seed}
+        choice = post(url, body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        ((name, args),) = message_calls(choice["message"])
+        assert name == "forecast"
+        jsonschema.validate(args, params)
+        assert stream_calls(streamed(url, body)) == [(name, args)]

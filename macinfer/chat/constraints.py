@@ -11,7 +11,7 @@ it itself, just `... </think>` when the prompt opened it), harmony's analysis me
 are single tokens are named by id (`<[id]>`), so no text can fake them.
 
 A native syntax is constrained only where the layout is known here (JSON in `<tool_call>` tags,
-Mistral's `[TOOL_CALLS]`); `Unconstrainable` names any other.
+Mistral's `[TOOL_CALLS]`, Qwen3-Coder's XML parameters); `Unconstrainable` names any other.
 """
 
 from __future__ import annotations
@@ -132,9 +132,40 @@ def _native_calls(tokenizer, syntax, tools, parallel) -> str:
         alts = " | ".join(f'({json.dumps(t["function"]["name"] + "[ARGS]")} '
                           f'{json_rule(t["function"].get("parameters") or {"type": "object"})})' for t in tools)
         return f"{start} ({alts})+" if parallel else f"{start} ({alts})"
+    if syntax.parser == "qwen3_coder":
+        start, end = marker(tokenizer, syntax.start), marker(tokenizer, syntax.end)
+        one = f'{start} ({" | ".join(f"({_xml_function(t)})" for t in tools)}) {end}'
+        return f'({one}) ("\\n" ({one}))*' if parallel else one
     raise Unconstrainable(f"the {syntax.parser} tool-call syntax cannot be constrained here (JSON in <tool_call> "
-                          "tags, Mistral's [TOOL_CALLS] and models without tool calling can): use tool_choice "
-                          "'auto'")
+                          "tags, Mistral's [TOOL_CALLS], Qwen3-Coder's XML and models without tool calling can): "
+                          "use tool_choice 'auto'")
+
+
+def _xml_function(tool: dict) -> str:
+    """Qwen3-Coder's `<function=NAME>` block: each parameter in `<parameter=KEY>` lines, in the schema's
+    order (the required ones always), a string as raw text (no '<' or line break), any other
+    value as JSON under its schema (mlx-lm's qwen3_coder parser reads them back by type)."""
+    f = tool["function"]
+    params = f.get("parameters") or {}
+    required = set(params.get("required", []))
+    parts = []
+    for key, schema in (params.get("properties") or {}).items():
+        piece = f"{json.dumps(f'<parameter={key}>' + NL)} {_xml_value(schema)} {json.dumps(NL + '</parameter>' + NL)}"
+        parts.append(f"({piece})" if key in required else f"({piece})?")
+    head = json.dumps(f"{NL}<function={f['name']}>{NL}")
+    return f"{head} {' '.join(parts)} {json.dumps('</function>' + NL)}"
+
+
+NL = "\n"
+
+
+def _xml_value(schema: dict) -> str:
+    if isinstance(schema, dict) and schema.get("type") == "string" and "enum" not in schema:
+        limit = schema.get("maxLength")
+        return f"/[^<\\n]{{0,{int(limit)}}}/" if isinstance(limit, int) else "/[^<\\n]*/"
+    if isinstance(schema, dict) and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    return json_rule(schema)
 
 
 def structured(grammar: str) -> StructuredOutput:
