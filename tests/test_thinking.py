@@ -299,3 +299,17 @@ def test_qwen3_coder_xml_call_forced_and_read_back_by_mlx_lm_parser(family):
         assert name == "forecast"
         jsonschema.validate(args, params)
         assert stream_calls(streamed(url, body)) == [(name, args)]
+
+
+def test_harmony_markers_split_across_deltas_are_still_markers(family):
+    """A stop string makes the engine hold text back, so a marker's text can arrive in two deltas."""
+    url, path, vocab = family("gpt_oss")
+    ch, msg, end, start = (vocab[t] for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    grammar = (f'start: <[{ch}]> "analysis" <[{msg}]> /[a-z ]{{3,16}}/ <[{end}]> <[{start}]> "assistant" '
+               f'<[{ch}]> "final" <[{msg}]> /[a-z][a-z ]{{1,12}}/')
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 1.0, "seed": 4, "guided_grammar": grammar,
+            "return_token_ids": True, "stop": ["zzzzzzzzzzzz"]}  # holds back 11 characters
+    chunks = streamed(url, body)
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    want = {m.channel: m.content[0].text for m in harmony_oracle(path, tokens)}
+    assert (joined(chunks, "reasoning_content"), joined(chunks, "content")) == (want["analysis"], want["final"])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from macinfer.errors import MacinferError
 
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+HARMONY_MARKERS = HARMONY_TOKENS + ("<|constrain|>", "<|return|>", "<|call|>")
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,23 @@ class HarmonyReader:
         self.by_id = all(tokenizer.convert_tokens_to_ids(t) == self.encoding.encode(t, allowed_special="all")[0]
                          for t in HARMONY_TOKENS)
         self.broken = False  # the parser refused a token: the rest is plain content
+        self._pending = ""  # text ending inside a marker ("<|chan"): held until it is whole or is not one
 
     def feed(self, token_ids: list[int], text: str) -> list[tuple[str, str | None, str | None, str]]:
-        from openai_harmony import HarmonyError
-
         if self.broken:
             return [("delta", "final", None, text)] if text else []
-        ids = token_ids if self.by_id else self.encoding.encode(text, allowed_special="all")
+        if self.by_id:
+            return self._process(token_ids)
+        # NOTE: a delta's text may end inside a marker (the engine holds back a stop string's
+        # length): re-encoded in two pieces it would be plain text, not the special token.
+        text = self._pending + text
+        held = _partial_marker(text)
+        text, self._pending = text[:len(text) - held], text[len(text) - held:]
+        return self._process(self.encoding.encode(text, allowed_special="all"))
+
+    def _process(self, ids: list[int]) -> list[tuple[str, str | None, str | None, str]]:
+        from openai_harmony import HarmonyError
+
         out = []
         for i, t in enumerate(ids):
             p = self.parser
@@ -122,7 +133,7 @@ class HarmonyReader:
                 p.process(t)
             except HarmonyError:
                 self.broken = True
-                rest = text if not self.by_id else self.encoding.decode(ids[i:])
+                rest = self.encoding.decode(ids[i:])
                 return out + ([("delta", "final", None, rest)] if rest else [])
             if p.last_content_delta:
                 out.append(("delta", p.current_channel, p.current_recipient, p.last_content_delta))
@@ -139,12 +150,22 @@ class HarmonyReader:
         """The reply ended (its stop token, <|return|> or <|call|>, is not in the stream): close the last message."""
         from openai_harmony import HarmonyError
 
+        pending, self._pending = self._pending, ""
+        out = self._process(self.encoding.encode(pending, allowed_special="all")) if pending else []
         if self.broken:
-            return []
+            return out
         p = self.parser
         done = len(p.messages)
         try:
             p.process_eos()
         except HarmonyError:
-            return []
-        return [("end", m.channel, m.recipient, "") for m in p.messages[done:]]
+            return out
+        return out + [("end", m.channel, m.recipient, "") for m in p.messages[done:]]
+
+
+def _partial_marker(text: str) -> int:
+    """The length of the longest end of `text` that could still grow into a harmony marker (0: none)."""
+    for n in range(min(len(text), max(map(len, HARMONY_MARKERS)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) and m != text[-n:] for m in HARMONY_MARKERS):
+            return n
+    return 0

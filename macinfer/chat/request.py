@@ -190,7 +190,7 @@ def _grammar(tokenizer, req, thinking, opened, enabled, syntax, tools, named) ->
             text = constraints.tool_grammar(tokenizer, syntax, offered, prefix, required=forced, parallel=parallel,
                                             response_schema=schema)
         except constraints.Unconstrainable as e:
-            raise ChatRequestError(str(e), "tool_choice") from None
+            raise ChatRequestError(str(e), "tool_choice" if forced else "response_format") from None
         return _checked(text, "tool_choice" if forced else "tools")
     if schema is None:
         return None
