@@ -214,8 +214,3 @@ def _checked(grammar: str, param: str) -> StructuredOutput:
         return constraints.structured(grammar)
     except ValueError as e:
         raise ChatRequestError(f"{param}: the grammar cannot be used: {e}", param) from None
-
-
-def tool_call_json(call) -> dict:
-    """A ToolCallEnd as OpenAI's message `tool_calls` item."""
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
