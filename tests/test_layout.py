@@ -9,6 +9,7 @@ Layers, bottom to top (docs/ARCHITECTURE.md draws them):
     core     sequences, sampling, block pool, prefix cache, scheduler, model runner
     spec_decode    speculative decoding (decoder, drafters, the speculator factory)
     engine   the step loop (LLMEngine)
+    chat     how a model talks: chat template, thinking, tool calls, their grammars (over the engine's deltas)
     llm      the Python API (macinfer.LLM; the package's own __init__)
     serve / perf   the OpenAI server; bandwidth, benchmarks, the KV calculator
     tui      the Textual app (macinfer.tui, its sources in the top-level tui/ folder)
@@ -24,7 +25,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["base", "prefix_cache", "modelio", "kv", "core", "spec_decode", "engine", "llm", "serve", "tui", "cli"]
+LAYERS = ["base", "prefix_cache", "modelio", "kv", "core", "spec_decode", "engine", "chat", "llm", "serve", "tui", "cli"]
 BASE = {"macinfer._blas", "macinfer.errors", "macinfer.units", "macinfer.paths", "macinfer.timing", "macinfer.staging"}
 
 

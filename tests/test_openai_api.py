@@ -238,15 +238,18 @@ def test_tool_calls_stream_as_deltas(tool_served):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_tools_without_tool_calling_or_with_a_forced_choice_are_400(served, tool_served):
-    body = {**CHAT, "tools": TOOLS}
-    r = httpx.post(served[0] + "/v1/chat/completions", json=body, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    r = httpx.post(tool_served[0] + "/v1/chat/completions", json={**body, "tool_choice": "required"}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    # tool_choice "none": the tools are not rendered and nothing is parsed
-    r = httpx.post(tool_served[0] + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
-    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+def test_tool_choice_none_renders_and_parses_no_tools(tool_served):
+    url, llm, path = tool_served
+    from oracle import mlx_lm_load
+
+    body = {**CHAT, "tools": TOOLS, "tool_choice": "none", **{k: v for k, v in forced_call(llm).items()
+                                                              if k != "extra_body"}, **forced_call(llm)["extra_body"]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    message = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"] == CALL  # the call's text, as text
+    _, tok = mlx_lm_load(str(path))
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True))
 
 
 def test_logit_bias_outside_the_vocabulary_is_a_400(served):

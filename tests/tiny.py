@@ -47,11 +47,16 @@ ARCHS = {
 }
 
 
-def train_tokenizer(out: Path, vocab_size: int = 320, tool_call: str | None = None) -> None:
+def train_tokenizer(out: Path, vocab_size: int = 320, tool_call: str | None = None,
+                    special_tokens: tuple[str, ...] = (), chat_template: str | None = None,
+                    eos_token: str = "<|im_end|>", bos_token: str = "<|endoftext|>") -> None:
     """Train a byte-level BPE tokenizer and write it as a HF fast tokenizer.
 
     tool_call: a whole tool call's text, added as one token (id vocab_size) so a test can force
     it with logit_bias; the chat template then renders tools.
+    special_tokens: a real family's marker tokens (`<think>`, harmony's `<|channel|>`, ...), added
+        after the trained vocabulary as special tokens, each one id.
+    chat_template: the template to carry (default: a ChatML one).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -60,29 +65,34 @@ def train_tokenizer(out: Path, vocab_size: int = 320, tool_call: str | None = No
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=list(dict.fromkeys(["<|endoftext|>", "<|im_start|>", "<|im_end|>", bos_token, eos_token])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
     if tool_call is not None:
         tok.add_tokens([tool_call])
+    if special_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     tok.save(str(out / "tokenizer.json"))
+    template = chat_template or (CHAT_TEMPLATE if tool_call is None else TOOLS_CHAT_TEMPLATE)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|endoftext|>",
-                "eos_token": "<|im_end|>",
+                "bos_token": bos_token,
+                "eos_token": eos_token,
                 "pad_token": "<|endoftext|>",
                 "unk_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE if tool_call is None else TOOLS_CHAT_TEMPLATE,
+                "chat_template": template,
                 "model_max_length": 512,
             }
         )
     )
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+        json.dumps({"eos_token": eos_token, "bos_token": bos_token})
     )
 
 
@@ -96,12 +106,15 @@ def build_tiny_model(
     kv_heads: int = 2,
     max_position_embeddings: int = 512,
     tool_call: str | None = None,
+    tokenizer: dict | None = None,
     **overrides,
 ) -> Path:
     """Write a random-weight model of `arch` (see ARCHS) to `out` and return it.
 
     Weights are float32 and scaled up so greedy decoding is not stuck on one token
     (a flat random model repeats itself, which would make equality tests weak).
+    tokenizer: train_tokenizer's family options (special_tokens, chat_template, eos_token,
+    bos_token); `eos_token_ids` in it lists every token that ends a reply (the config's list).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -109,8 +122,12 @@ def build_tiny_model(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out, tool_call=tool_call)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]  # its 3 spare rows hold added tokens
+    tokenizer = dict(tokenizer or {})
+    eos_names = tokenizer.pop("eos_token_ids", None)
+    train_tokenizer(out, tool_call=tool_call, **tokenizer)
+    tok_json = json.loads((out / "tokenizer.json").read_text())
+    vocab = {**tok_json["model"]["vocab"], **{t["content"]: t["id"] for t in tok_json["added_tokens"]}}
+    rows = len(tok_json["model"]["vocab"]) + 3 + len(tokenizer.get("special_tokens", ()))  # spare rows hold added tokens
     config = {
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
@@ -118,12 +135,12 @@ def build_tiny_model(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": len(vocab) + 3,
+        "vocab_size": rows,
         "max_position_embeddings": max_position_embeddings,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
-        "eos_token_id": vocab.get("<|im_end|>", 2),
-        "bos_token_id": vocab.get("<|endoftext|>", 0),
+        "eos_token_id": [vocab[t] for t in eos_names] if eos_names else vocab.get(tokenizer.get("eos_token", "<|im_end|>"), 2),
+        "bos_token_id": vocab.get(tokenizer.get("bos_token", "<|endoftext|>"), 0),
         "torch_dtype": "float32",
     }
     config.update(ARCHS[arch])

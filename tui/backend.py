@@ -115,6 +115,19 @@ class ChatBackend:
             return self.llm.apply_chat_template(messages)
         return self.llm.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
 
+    def prepare(self, messages: list[dict], params: SamplingParams, think: bool | None = None):
+        """(prompt ids, sampling, the reply's OutputParser or None) for the conversation.
+
+        Through macinfer.chat when the model has a chat template (its thought split from its
+        answer; `think` is enable_thinking, None: the template's default); plain text otherwise.
+        """
+        if not getattr(self.llm.tokenizer, "chat_template", None):
+            return self.encode(messages), params, None
+        from macinfer.chat.request import ChatRequest, prepare
+
+        prepared = prepare(self.llm.tokenizer, ChatRequest(messages, enable_thinking=think), params)
+        return prepared.prompt_ids, prepared.params, prepared.new_parser()
+
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
         """Queue a request; raises MacinferError if it cannot fit the context or the KV pool."""

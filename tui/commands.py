@@ -19,6 +19,7 @@ COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("clear", "", "clear the conversation (keeps the system prompt)", "Clear the chat"),
     SlashCommand("temp", "T", "sampling temperature, 0 is greedy", "Set the temperature"),
     SlashCommand("max-tokens", "N", "longest reply, in tokens", "Set max tokens"),
+    SlashCommand("think", "[on|off]", "let a thinking model think before it answers, or not", "Toggle thinking"),
     SlashCommand("spec", "[on|off]", "toggle speculative decoding", "Toggle speculative decoding"),
     SlashCommand("prefix-cache", "[on|off]", "toggle the prompt-prefix cache", "Toggle the prefix cache"),
     SlashCommand("save", "FILE", "save the conversation and settings as JSON (/load, chat --resume)",

@@ -111,6 +111,20 @@ class ReplyText(EngineMessage, bubble=False):
 
 
 @dataclass(eq=False)
+class ReplyThought(EngineMessage, bubble=False):
+    """New text of the reply's thought (a model that thinks first), with the thought's figures so far.
+
+    done: the thought is over (the answer or the end came): `seconds` is how long it took.
+    """
+
+    request_id: str
+    text: str
+    tokens: int
+    seconds: float
+    done: bool = False
+
+
+@dataclass(eq=False)
 class StatsUpdate(EngineMessage, bubble=False):
     """Live figures while a reply streams; a newer one supersedes a queued one (no bubbling)."""
 

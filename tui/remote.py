@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta, Usage
 from macinfer.core.metrics import RequestMetrics
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.errors import MacinferError
@@ -136,13 +137,24 @@ class RemoteBackend:
     def encode(self, messages: list[dict]) -> ChatPrompt:
         return ChatPrompt(messages)
 
+    def prepare(self, messages: list[dict], params: SamplingParams, think: bool | None = None):
+        """(the conversation to send, sampling, its parser): the server splits the thought itself
+        (`reasoning_content` deltas), RemoteReply only sorts the pieces."""
+        prompt = ChatPrompt(messages)
+        prompt.think = think
+        return prompt, params, RemoteReply()
+
     def add_request(self, prompt: ChatPrompt, params: SamplingParams, request_id: str) -> str:
         """Start streaming the reply on a thread of its own (the server answers after its prefill)."""
         s = self.streams[request_id] = _Stream(request_id, time.perf_counter())
-        args = dict(model=self.info.name, messages=prompt.messages, max_tokens=params.max_tokens,
+        # A turn's kept thought stays here: other servers refuse message fields they do not know.
+        messages = [{k: v for k, v in m.items() if k != "reasoning"} for m in prompt.messages]
+        args = dict(model=self.info.name, messages=messages, max_tokens=params.max_tokens,
                     temperature=params.temperature, stream=True, stream_options={"include_usage": True})
         if params.seed is not None:
             args["seed"] = params.seed
+        if getattr(prompt, "think", None) is not None:
+            args["extra_body"] = {"chat_template_kwargs": {"enable_thinking": prompt.think}}
         threading.Thread(target=self._read, args=(s, args), name=f"stream-{request_id}", daemon=True).start()
         return request_id
 
@@ -159,6 +171,9 @@ class RemoteBackend:
             for chunk in s.response:
                 if chunk.choices:
                     choice = chunk.choices[0]
+                    thought = getattr(choice.delta, "reasoning_content", None) if choice.delta is not None else None
+                    if thought:
+                        put("thought", thought)
                     if choice.delta is not None and choice.delta.content:
                         put("text", choice.delta.content)
                     s.finish_reason = choice.finish_reason or s.finish_reason
@@ -182,11 +197,15 @@ class RemoteBackend:
         s = self.streams.get(rid)
         if s is None:  # aborted: what was still queued
             return []
-        if kind == "text":
+        if kind in ("text", "thought"):
             s.first_token = s.first_token or t
             s.chunks += 1
-            s.text.append(value)
-            return [StreamDelta(rid, value, [0])]  # ids stay on the server: one per chunk
+            delta = StreamDelta(rid, value, [0])  # ids stay on the server: one per chunk
+            if kind == "thought":
+                delta.thinking = True  # read by RemoteReply
+            else:
+                s.text.append(value)
+            return [delta]
         del self.streams[rid]
         if kind == "error":
             raise MacinferError(value)
@@ -200,8 +219,10 @@ class RemoteBackend:
         m = RequestMetrics(arrival_time=s.arrival, first_token_time=s.first_token or end, finish_time=end,
                            prompt_tokens=u.prompt_tokens if u else 0, cached_tokens=cached,
                            generation_tokens=u.completion_tokens if u else s.chunks)
-        return RequestOutput(s.request_id, [], [0] * m.generation_tokens, "".join(s.text),
-                             s.finish_reason or "stop", m)
+        out = RequestOutput(s.request_id, [], [0] * m.generation_tokens, "".join(s.text), s.finish_reason or "stop", m)
+        details = getattr(u, "completion_tokens_details", None)
+        out.reasoning_tokens = getattr(details, "reasoning_tokens", None)  # the server's count (RemoteReply)
+        return out
 
     def abort_request(self, request_id: str) -> None:
         """Close the stream: the server sees the client leave and frees the request."""
@@ -227,6 +248,29 @@ class RemoteBackend:
 
     def set_option(self, name: str, on: bool) -> str:
         raise MacinferError("the server's engine options are set where it runs: restart `macinfer serve` to change them")
+
+
+class RemoteReply:
+    """The runner's parser for a server's reply: its deltas are thought or answer as the server
+    split them (macinfer.chat.output.OutputParser's events, without parsing anything)."""
+
+    def __init__(self):
+        self.reasoning_tokens = 0
+
+    def feed(self, delta) -> list:
+        events = []
+        if getattr(delta, "thinking", False):
+            self.reasoning_tokens += len(delta.token_ids)
+            events.append(ThinkingDelta(delta.text))
+        elif delta.text:
+            events.append(ContentDelta(delta.text))
+        if delta.finish_reason is not None:
+            m = delta.output.metrics if delta.output is not None else None
+            reasoning = getattr(delta.output, "reasoning_tokens", None) if delta.output is not None else None
+            self.reasoning_tokens = reasoning if reasoning is not None else self.reasoning_tokens
+            events.append(Finish(delta.finish_reason, Usage(m.prompt_tokens if m else 0,
+                                                            m.generation_tokens if m else 0, self.reasoning_tokens)))
+        return events
 
 
 def connect(root: str, api_key: str | None):

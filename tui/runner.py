@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
     from macinfer.core.sampling_params import SamplingParams
     from macinfer.tui.backend import ChatBackend
+from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta
 from macinfer.tui.messages import (EngineNotice, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
-                          ReplyFinished, ReplyText, Stats, StatsUpdate)
+                          ReplyFinished, ReplyText, ReplyThought, Stats, StatsUpdate)
 
 TEXT_INTERVAL = 0.08
 STATS_INTERVAL = 1 / 4
@@ -54,6 +55,7 @@ class Generate:
     request_id: str
     messages: list[dict]
     params: SamplingParams
+    think: bool | None = None  # enable_thinking for the template (None: its default)
 
 
 @dataclass
@@ -103,6 +105,12 @@ class _Live:
     text: list[str] = field(default_factory=list)
     text_posted: float = 0.0
     stats_posted: float = 0.0
+    parser: Any = None  # the reply's OutputParser (macinfer.chat.output); None: every piece is answer
+    thought: list[str] = field(default_factory=list)  # thought text not posted yet
+    thought_tokens: int = 0
+    thought_start: float | None = None
+    thought_end: float | None = None  # the answer began (or the reply ended) after a thought
+    thought_posted_done: bool = False
 
 
 def one_line(e: BaseException) -> str:
@@ -185,12 +193,12 @@ class EngineRunner:
             self.post(ReplyFailed(cmd.request_id, "no model is loaded"))
             return
         try:
-            ids = self.backend.encode(cmd.messages)
-            self.backend.add_request(ids, cmd.params, request_id=cmd.request_id)
+            ids, params, parser = self.backend.prepare(cmd.messages, cmd.params, cmd.think)
+            self.backend.add_request(ids, params, request_id=cmd.request_id)
         except (MacinferError, ValueError) as e:
             self.post(ReplyFailed(cmd.request_id, one_line(e)))
             return
-        live = self.live[cmd.request_id] = _Live(cmd.request_id, len(ids), time.perf_counter())
+        live = self.live[cmd.request_id] = _Live(cmd.request_id, len(ids), time.perf_counter(), parser=parser)
         self.post(StatsUpdate(self._stats(live, live.arrival)))  # prompt size, before a slow prefill
 
     def _abort(self, request_id: str) -> None:
@@ -200,7 +208,7 @@ class EngineRunner:
         if live is not None:
             now = time.perf_counter()
             self.last_stats = stats = self._stats(live, now)
-            self.post([*self._take_text(live, now), ReplyFinished(request_id, "abort", stats)])
+            self.post([*self._take_text(live, now, end=True), ReplyFinished(request_id, "abort", stats)])
 
     def _set_option(self, cmd: SetOption) -> None:
         if self.backend is None:
@@ -240,7 +248,7 @@ class EngineRunner:
             self._count(live, delta, now)
             if delta.finish_reason is not None:
                 del self.live[live.request_id]
-                out += self._take_text(live, now)
+                out += self._take_text(live, now, end=True)
                 self.last_stats = stats = self._stats(live, now, delta.output)
                 out.append(ReplyFinished(live.request_id, delta.finish_reason, stats, delta.output))
             elif now - live.text_posted >= TEXT_INTERVAL:  # text, and the figures with it when due
@@ -266,17 +274,39 @@ class EngineRunner:
                 live.step_tps[-1] += n / (now - live.prev_step)
             live.last_token = now
             live.tokens += n
-        if delta.text:
-            live.text.append(delta.text)
+        events = live.parser.feed(delta) if live.parser is not None else \
+            [ContentDelta(delta.text)] if delta.text else []
+        for e in events:
+            if isinstance(e, ThinkingDelta):
+                live.thought_start = live.thought_start or now
+                live.thought.append(e.text)
+            elif isinstance(e, ContentDelta):
+                if live.thought_start is not None and live.thought_end is None:
+                    live.thought_end = now
+                live.text.append(e.text)
+            elif isinstance(e, Finish):
+                live.thought_tokens = e.usage.reasoning_tokens
+        if live.parser is not None and live.thought_start is not None and live.thought_end is None:
+            live.thought_tokens = live.parser.reasoning_tokens
 
-    def _take_text(self, live: _Live, now: float) -> list[ReplyText]:
-        """The text not posted yet, as a message (none if there is none)."""
+    def _take_text(self, live: _Live, now: float, end: bool = False) -> list:
+        """The thought and answer text not posted yet, as messages (none if there is none).
+
+        end: the reply is over, so a thought still open is done too.
+        """
         live.text_posted = now
-        if not live.text:
-            return []
-        text = "".join(live.text)
-        live.text.clear()
-        return [ReplyText(live.request_id, text)]
+        out = []
+        if live.thought_start is not None and (live.thought or not live.thought_posted_done):
+            done = live.thought_end is not None or end
+            if live.thought or done:
+                seconds = (live.thought_end or now) - live.thought_start
+                out.append(ReplyThought(live.request_id, "".join(live.thought), live.thought_tokens, seconds, done))
+                live.thought.clear()
+                live.thought_posted_done = done
+        if live.text:
+            out.append(ReplyText(live.request_id, "".join(live.text)))
+            live.text.clear()
+        return out
 
     def _stats(self, live: _Live, now: float, output: RequestOutput | None = None) -> Stats:
         """Figures for the metrics panel; a finished output's own metrics win (same as `macinfer run`)."""

@@ -28,10 +28,12 @@ class ChatSession:
     temperature: float = 0.0
     max_tokens: int = 512
     seed: int | None = None
+    think: bool | None = None  # /think on|off: enable_thinking for the template (None: its default)
     turns: list[dict] = field(default_factory=list)
 
-    def add(self, role: str, content: str) -> None:
-        self.turns.append({"role": role, "content": content})
+    def add(self, role: str, content: str, reasoning: str | None = None) -> None:
+        """A turn; an assistant's thought (reasoning) is kept beside it, for the template and /save."""
+        self.turns.append({"role": role, "content": content} | ({"reasoning": reasoning} if reasoning else {}))
 
     def clear(self) -> None:
         self.turns.clear()
@@ -50,13 +52,17 @@ class ChatSession:
         if self.system:
             lines += ["## System", "", self.system, ""]
         for t in self.turns:
-            lines += [f"## {t['role'].capitalize()}", "", t["content"].rstrip(), ""]
+            lines += [f"## {t['role'].capitalize()}", ""]
+            if t.get("reasoning"):
+                lines += ["<details><summary>Thought</summary>", "", t["reasoning"].rstrip(), "", "</details>", ""]
+            lines += [t["content"].rstrip(), ""]
         return "\n".join(lines)
 
     def to_json(self, model: str | None = None) -> dict:
         """What /save writes: the model spec (None: the embedded default), sampling, messages."""
         return {"format": FORMAT, "model": model,
-                "sampling": {"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed},
+                "sampling": {"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed}
+                | ({"think": self.think} if self.think is not None else {}),
                 "messages": self.messages()}
 
     @classmethod
@@ -74,14 +80,18 @@ class ChatSession:
             raise ValueError(f"sampling.max_tokens must be a whole number >= 1, got {n!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"sampling.seed must be a whole number >= 0 or null, got {seed!r}")
+        think = sampling.get("think")
+        if think is not None and not isinstance(think, bool):
+            raise ValueError(f"sampling.think must be true, false or null, got {think!r}")
         for i, m in enumerate(messages):
             role = m.get("role") if isinstance(m, dict) else None
             if role not in ("system", "user", "assistant") or not isinstance(m.get("content"), str) \
-                    or (role == "system" and i > 0):
+                    or (role == "system" and i > 0) or not isinstance(m.get("reasoning", ""), str):
                 raise ValueError(f"messages[{i}] is not a user or assistant turn (or a leading system prompt)")
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
-        turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
-        return cls(system=system, temperature=float(t), max_tokens=n, seed=seed, turns=turns), model
+        turns = [{k: m[k] for k in ("role", "content", "reasoning") if k in m}
+                 for m in messages if m["role"] != "system"]
+        return cls(system=system, temperature=float(t), max_tokens=n, seed=seed, think=think, turns=turns), model
 
     def save(self, path: str | os.PathLike, model: str | None = None) -> Path:
         """Write the session as JSON (see `to_json`), atomically and read back; returns the path."""

@@ -60,14 +60,19 @@ class StubBackend:
         spec: ignored (the runner passes the MODEL spec).
         rate: tokens per second; a step takes 1/rate seconds plus its own Python.
         length: tokens per reply before it stops ("stop"); None: only max_tokens ends it ("length").
+        thought: a thought each reply starts with, in `<think>` tags (a model that thinks first);
+            its replies are then split as macinfer.chat splits a `<think>` family's (this imports
+            mlx-lm's TextStateMachine).
     """
 
     block_size = 16
 
-    def __init__(self, spec: str | None = None, *, rate: float = 300.0, length: int | None = None):
+    def __init__(self, spec: str | None = None, *, rate: float = 300.0, length: int | None = None,
+                 thought: str | None = None):
         self.spec = spec
         self.rate = rate
         self.length = length
+        self.thought = tokens_of(f"<think>\n{thought}\n</think>\n\n") if thought else []
         self.info = SimpleNamespace(name=f"stub-{rate:g}tok/s")
         self.peak = None
         self.requests: dict[str, dict] = {}
@@ -91,11 +96,22 @@ class StubBackend:
     def encode(self, messages: list[dict]) -> list[int]:
         return list(range(sum(len(tokens_of(m["content"])) for m in messages) + 4 * len(messages)))
 
+    def prepare(self, messages: list[dict], params, think: bool | None = None):
+        """(prompt ids, sampling, the reply's parser): a `<think>` family's when the stub thinks."""
+        parser = None
+        self._thinks = bool(self.thought) and think is not False  # for the add_request that follows
+        if self._thinks:
+            from macinfer.chat.output import OutputParser
+            from macinfer.chat.reasoning import Thinking
+
+            parser = OutputParser(None, Thinking("think", "<think>", "</think>"), False, None, None)
+        return self.encode(messages), params, parser
+
     def add_request(self, prompt_token_ids: list[int], params, request_id: str) -> str:
         n = params.max_tokens if self.length is None else min(self.length, params.max_tokens)
         self.requests[request_id] = {
             "metrics": RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(prompt_token_ids)),
-            "prompt": prompt_token_ids, "n": n, "done": 0,
+            "prompt": prompt_token_ids, "n": n, "done": 0, "thinks": getattr(self, "_thinks", bool(self.thought)),
             "reason": "length" if self.length is None or params.max_tokens < self.length else "stop",
         }
         self.emitted[request_id] = []
@@ -108,7 +124,9 @@ class StubBackend:
         deltas = []
         for rid, r in list(self.requests.items()):
             m = r["metrics"]
-            text = SAMPLE_TOKENS[r["done"] % len(SAMPLE_TOKENS)]
+            lead = self.thought if r["thinks"] else []
+            i = r["done"]
+            text = lead[i] if i < len(lead) else SAMPLE_TOKENS[(i - len(lead)) % len(SAMPLE_TOKENS)]
             r["done"] += 1
             self.emitted[rid].append(text)
             if m.first_token_time is None:

@@ -6,6 +6,7 @@ one line (`error: ...`) with a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,8 +45,8 @@ def main():
     """
 
 
-def run_stats(out, info, peak) -> dict:
-    """Every figure of one finished request, for the stats line and --json."""
+def run_stats(out, info, peak, reasoning_tokens: int = 0) -> dict:
+    """Every figure of one finished request, for the stats line and --json (reasoning_tokens: the thought's)."""
     import mlx.core as mx
 
     from macinfer.perf.bandwidth import bytes_per_step, utilisation
@@ -61,6 +62,7 @@ def run_stats(out, info, peak) -> dict:
         "prefill_tps": m.prefill_tps,
         "prompt_cached": m.prompt_cached,
         "generation_tokens": m.generation_tokens,
+        "reasoning_tokens": reasoning_tokens,
         "decode_tps": m.decode_tps,
         "peak_memory_bytes": mx.get_peak_memory(),
         "bytes_per_decode_step": int(per_step),
@@ -85,7 +87,8 @@ def stats_line(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tok" + (f" ({s['cached_tokens']} cached)" if s["cached_tokens"] else ""),
         f"TTFT {f(s['ttft_s'], '.2f')} s",
         "prompt cached" if s["prompt_cached"] else f"prefill {f(s['prefill_tps'], '.1f')} tok/s",
-        f"generated {s['generation_tokens']} tok",
+        f"generated {s['generation_tokens']} tok" + (f" ({s['reasoning_tokens']} thinking)"
+                                                    if s.get("reasoning_tokens") else ""),
         f"decode {f(s['decode_tps'], '.1f')} tok/s",
         f"peak mem {fmt_bytes(s['peak_memory_bytes'])}",
     ]
@@ -115,6 +118,9 @@ def stats_line(s: dict) -> str:
 @click.option("--repetition-penalty", default=1.0, show_default=True,
               help="Divide the logits of the last 20 tokens by this (> 1 repeats less; mlx-lm's penalty).")
 @click.option("--no-chat-template", is_flag=True, help="Send PROMPT as raw text, without the chat template.")
+@click.option("--think/--no-think", "think", default=None,
+              help="Let a thinking model think before it answers, or not (default: its template's).")
+@click.option("--hide-thinking", is_flag=True, help="Do not show the thought on stderr (it still counts in the stats).")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
 @click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="The reply is JSON valid under the JSON schema in FILE (enforced while sampling).")
@@ -134,7 +140,7 @@ def stats_line(s: dict) -> str:
 @engine_option
 @parallel_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
-            as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
+            think, hide_thinking, as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
             parallel, micro_batches):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -157,7 +163,11 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
 
     --json-schema FILE constrains the reply to JSON valid under that schema: every
     token is sampled from those the grammar allows (llguidance), and the reply
-    ends as soon as the JSON is complete.
+    ends as soon as the JSON is complete (after the thought, for a model that thinks).
+
+    A model that thinks first (Qwen3, DeepSeek-R1, gpt-oss, ...): the answer goes
+    to stdout, the thought to stderr, dimmed (--hide-thinking leaves it out);
+    --no-think asks the template for no thought; --json has it as "reasoning".
 
     \b
     Examples:
@@ -167,14 +177,15 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
       macinfer run --draft auto --dequantize "List ten fruits, one per line."
       macinfer run "Describe Paris as JSON" --json-schema city.json
+      macinfer run mlx-community/Qwen3-0.6B-4bit "Why is the sky blue?" --hide-thinking
       mlx.launch --hostfile hosts.json --backend ring -- macinfer run MODEL "Hello"   # across Macs
     """
     from macinfer.core.sampling import SamplingParams
 
     model, prompt = _model_and_prompt(args)
+    schema = _read_schema(json_schema) if json_schema else None
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty,
-                            structured=_read_schema(json_schema) if json_schema else None)
+                            max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty)
 
     from macinfer.perf.bandwidth import peak_bandwidth as find_peak
     from macinfer.llm import LLM
@@ -194,10 +205,13 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     info = llm.info
     if verbose:
         _print_details(llm)
-    out = _stream(llm, _prompt_ids(llm, prompt, system, no_chat_template), params, echo=not as_json)
-    stats = run_stats(out, info, find_peak(peak_bandwidth))
+    ids, params, parser = _prepare(llm, prompt, system, no_chat_template, params, schema, think)
+    reply = _stream(llm, ids, params, parser, echo=not as_json, show_thinking=not hide_thinking)
+    out = reply.output
+    stats = run_stats(out, info, find_peak(peak_bandwidth), reply.reasoning_tokens)
     if as_json:
-        click.echo(json.dumps({"model": info.name, "text": out.text, "token_ids": out.token_ids, **stats}))
+        click.echo(json.dumps({"model": info.name, "text": reply.text, "reasoning": reply.reasoning,
+                               "token_ids": out.token_ids, **stats}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -245,24 +259,57 @@ def _print_details(llm) -> None:
     click.echo(llm.engine.describe(), err=True)
 
 
-def _prompt_ids(llm, prompt: str, system: str | None, no_chat_template: bool) -> list[int]:
-    """The prompt's token ids: through the chat template when the model has one (and it is wanted)."""
+def _prepare(llm, prompt: str, system: str | None, no_chat_template: bool, params, schema, think):
+    """(prompt ids, sampling, the reply's OutputParser or None): through the chat template when the
+    model has one and it is wanted (macinfer.chat: thinking, the schema after the thought)."""
+    import dataclasses
+
+    from macinfer.chat.request import ChatRequest, prepare
+
     if no_chat_template or not getattr(llm.tokenizer, "chat_template", None):
-        return llm.encode(prompt)
+        return llm.encode(prompt), dataclasses.replace(params, structured=schema), None
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return llm.apply_chat_template(messages)
+    rf = {"type": "json_schema", "json_schema": {"schema": schema.json_schema}} if schema is not None else None
+    prepared = prepare(llm.tokenizer, ChatRequest(messages, response_format=rf, enable_thinking=think), params)
+    return prepared.prompt_ids, prepared.params, prepared.new_parser()
 
 
-def _stream(llm, ids: list[int], params, echo: bool):
-    """Generate, writing the text to stdout as it comes if `echo`; the finished RequestOutput."""
-    out = None
+@dataclasses.dataclass
+class Reply:
+    """What `run` printed: the answer, the thought (None: none), the engine's output, thought tokens."""
+
+    text: str
+    reasoning: str | None
+    output: object
+    reasoning_tokens: int = 0
+
+
+def _stream(llm, ids: list[int], params, parser, echo: bool, show_thinking: bool = True) -> Reply:
+    """Generate: the answer to stdout and the thought dimmed to stderr as they come (if `echo`)."""
+    from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta
+
+    answer, thought, out, reasoning_tokens = [], [], None, 0
     for delta in llm.stream(ids, params):
-        if echo and delta.text:
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
+        events = parser.feed(delta) if parser is not None else [ContentDelta(delta.text)] if delta.text else []
+        for e in events:
+            if isinstance(e, ThinkingDelta):
+                thought.append(e.text)
+                if echo and show_thinking:
+                    click.echo(click.style(e.text, dim=True), err=True, nl=False)
+            elif isinstance(e, ContentDelta):
+                if echo and show_thinking and thought and not answer:
+                    click.echo("", err=True)  # the thought ends: the answer starts on its own line
+                answer.append(e.text)
+                if echo:
+                    sys.stdout.write(e.text)
+                    sys.stdout.flush()
+            elif isinstance(e, Finish):
+                reasoning_tokens = e.usage.reasoning_tokens
         if delta.output is not None:
             out = delta.output
-    return out
+    if parser is None:
+        return Reply(out.text, None, out)
+    return Reply("".join(answer), "".join(thought) if thought else None, out, reasoning_tokens)
 
 
 def _register_optional_commands():

@@ -1,10 +1,17 @@
 """One choice of an OpenAI response, built from its request's stream of deltas.
 
 A response holds one choice per sample (`n`); each choice follows one engine request.
-`Choice.add(delta)` turns a StreamDelta into OpenAI's shapes: the streamed choice
-object of a chunk, and the pieces the non-streamed choice is assembled from. Text goes
-through the tool-call splitter when the request has tools (macinfer.serve.tools), and
-token logprobs are shaped as the endpoint wants them:
+`Choice.add(delta)` turns a StreamDelta into OpenAI's shapes: the streamed choice object of a
+chunk, and the pieces the non-streamed choice is assembled from. A chat choice reads its deltas
+through the request's OutputParser (macinfer.chat.output), whose events it renders:
+
+    ThinkingDelta      "reasoning_content" (vLLM's and DeepSeek's name) and "reasoning" (mlx-lm's)
+    ContentDelta       "content"
+    ToolCallStart      a "tool_calls" item: index, id, type, function name, arguments ""
+    ToolCallDelta      a "tool_calls" item: index, function.arguments (more of them), as OpenAI streams
+    Finish             "finish_reason" ("tool_calls" when a call was made and the model stopped)
+
+Token logprobs are shaped as the endpoint wants them:
 
     chat         "logprobs": {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
     completions  "logprobs": {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
@@ -15,57 +22,85 @@ U+FFFD, as in other servers); `bytes` are that string's UTF-8 bytes.
 
 from __future__ import annotations
 
-from macinfer.serve.tools import ToolCallText, finish_reason
+from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 
 class Choice:
     """Args:
         index: the choice's index in the response.
         chat: chat.completion shapes (else text_completion).
-        tokenizer: mlx-lm's TokenizerWrapper (token strings, tool parsing).
+        tokenizer: mlx-lm's TokenizerWrapper (token strings).
         logprobs: include logprobs (the engine request asked for them).
         token_ids: include `token_ids` (vLLM's return_token_ids).
-        tools: the request's tools (chat), or None.
-        streaming: tool calls get their streamed `index`.
+        parser: the chat reply's OutputParser (chat only).
     """
 
     def __init__(self, index: int, chat: bool, tokenizer, logprobs: bool = False, token_ids: bool = False,
-                 tools: list[dict] | None = None, streaming: bool = False):
+                 parser=None):
         self.index, self.chat, self.tokenizer = index, chat, tokenizer
         self.want_logprobs, self.want_ids = logprobs, token_ids
-        self.tools = ToolCallText(tokenizer, tools, streaming) if tools else None
+        self.parser = parser
         self.text: list[str] = []
-        self.tool_calls: list[dict] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCallEnd] = []
+        self.finish: Finish | None = None
         self.output = None  # the RequestOutput, once finished
         self._offset = 0  # completions' text_offset
 
     # -- streamed --------------------------------------------------------------------------
     def add(self, delta) -> dict | None:
         """Take one delta; return the streamed choice object for it (None: nothing to send)."""
-        text, calls = delta.text, []
-        if self.tools is not None:
-            text, calls = self.tools.feed(delta.text)
-        finish = None
         if delta.finish_reason is not None:
             self.output = delta.output
-            finish = delta.finish_reason
-            if self.tools is not None:
-                tail, more = self.tools.finish(finish)
-                text, calls = text + tail, calls + more
-                finish = finish_reason(finish, self.tools.made_call)
-        self.text.append(text)
-        self.tool_calls += calls
         lp = self._logprobs(delta.logprobs or []) if self.want_logprobs else None
-        if not (text or calls or finish or (self.want_ids and delta.token_ids) or (lp and self._has_items(lp))):
-            return None
-        if self.chat:
-            body = {"index": self.index, "delta": ({"content": text} if text else {})
-                    | ({"tool_calls": calls} if calls else {}), "logprobs": lp, "finish_reason": finish}
+        if not self.chat:
+            self.text.append(delta.text)
+            finish = delta.finish_reason
+            if not (delta.text or finish or (self.want_ids and delta.token_ids) or (lp and self._has_items(lp))):
+                return None
+            body = {"index": self.index, "text": delta.text, "logprobs": lp, "finish_reason": finish}
         else:
-            body = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            message = self._render(self.parser.feed(delta))
+            finish = self.finish.reason if self.finish is not None else None
+            if not (message or finish or (self.want_ids and delta.token_ids) or (lp and self._has_items(lp))):
+                return None
+            body = {"index": self.index, "delta": message, "logprobs": lp, "finish_reason": finish}
         if self.want_ids:
             body["token_ids"] = list(delta.token_ids)
         return body
+
+    def _render(self, events: list) -> dict:
+        """One chunk's delta for a delta's events (several calls' pieces in one `tool_calls` list)."""
+        content, thought, calls = [], [], []
+        for e in events:
+            if isinstance(e, ContentDelta):
+                content.append(e.text)
+            elif isinstance(e, ThinkingDelta):
+                thought.append(e.text)
+            elif isinstance(e, ToolCallStart):
+                calls.append({"index": e.index, "id": e.id, "type": "function",
+                              "function": {"name": e.name, "arguments": ""}})
+            elif isinstance(e, ToolCallDelta):
+                if calls and calls[-1]["index"] == e.index:
+                    calls[-1]["function"]["arguments"] += e.arguments
+                else:
+                    calls.append({"index": e.index, "function": {"arguments": e.arguments}})
+            elif isinstance(e, ToolCallEnd):
+                self.tool_calls.append(e)
+            elif isinstance(e, Finish):
+                self.finish = e
+        message = {}
+        if thought:
+            text = "".join(thought)
+            self.reasoning.append(text)
+            message |= {"reasoning_content": text, "reasoning": text}
+        if content:
+            text = "".join(content)
+            self.text.append(text)
+            message["content"] = text
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def first_chunk(self) -> dict:
         """Chat streams open each choice with the assistant's role."""
@@ -76,19 +111,27 @@ class Choice:
     def final(self) -> dict:
         """The non-streamed choice, after every delta went through `add`."""
         out = self.output
-        finish = out.finish_reason if self.tools is None else finish_reason(out.finish_reason, self.tools.made_call)
-        text = "".join(self.text)
         lp = self._logprobs(out.logprobs or [], offset=0) if self.want_logprobs else None
-        choice = {"index": self.index, "finish_reason": finish, "logprobs": lp}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text if text or not self.tool_calls else None}
-            if self.tool_calls:
-                choice["message"]["tool_calls"] = self.tool_calls
+        text = "".join(self.text)
+        if not self.chat:
+            choice = {"index": self.index, "finish_reason": out.finish_reason, "logprobs": lp, "text": text}
         else:
-            choice["text"] = text
+            message = {"role": "assistant", "content": text if text or not self.tool_calls else None}
+            if self.reasoning:
+                thought = "".join(self.reasoning)
+                message |= {"reasoning_content": thought, "reasoning": thought}
+            if self.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}}
+                                         for c in self.tool_calls]
+            choice = {"index": self.index, "finish_reason": self.finish.reason, "logprobs": lp, "message": message}
         if self.want_ids:
             choice["token_ids"] = list(out.token_ids)
         return choice
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.finish.usage.reasoning_tokens if self.finish is not None else 0
 
     # -- logprobs ----------------------------------------------------------------------------
     def _token(self, token_id: int) -> str:

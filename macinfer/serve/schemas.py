@@ -6,8 +6,11 @@ field is refused with a 400 naming it (`check_known`), since a silently ignored 
 back; `macinfer serve --lenient` accepts and ignores them instead. Fields that would
 change the output and that macinfer cannot honour are refused by `check_supported`.
 vLLM's extensions (top_k, min_p, ignore_eos, return_token_ids, guided_json / guided_regex /
-guided_choice / guided_grammar) are fields like any other. `response_format` and the guided_*
-fields become the request's StructuredOutput (`structured_output`), enforced while sampling.
+guided_choice / guided_grammar) are fields like any other, and so are the thinking controls
+(`reasoning_effort`, `chat_template_kwargs`). The guided_* fields (and, on /v1/completions,
+`response_format`) become the request's StructuredOutput (`structured_output`), enforced while
+sampling; a chat request's `response_format`, `tools` and `tool_choice` go to macinfer.chat,
+which starts the grammar after the model's thought.
 """
 
 from __future__ import annotations
@@ -52,10 +55,14 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}};
+    also {"type": "json_object", "schema": {...}} (llama.cpp's and Together's form, instructor's JSON_SCHEMA mode)."""
+
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
 
 
 class RequestBase(BaseModel):
@@ -110,6 +117,9 @@ class ChatCompletionRequest(RequestBase):
     tools: list[dict] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Thinking: "none" turns it off; gpt-oss's template reads low / medium / high.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
 
 
 class CompletionRequest(RequestBase):
@@ -152,16 +162,21 @@ def check_supported(req: RequestBase) -> None:
             raise APIError(400, msg, param, "unsupported_parameter")
 
 
-def structured_output(req: RequestBase) -> StructuredOutput | None:
+def structured_output(req: RequestBase, response_format: bool = True) -> StructuredOutput | None:
     """The shape the request's output must have: `response_format` or one guided_* field (None: free text).
 
     A json_schema is enforced whether or not `strict` is set (as llama.cpp does): a client that
-    sends a schema wants output that follows it.
+    sends a schema wants output that follows it; so is json_object's "schema".
+
+    Args:
+        response_format: read `response_format` too (chat requests leave it to macinfer.chat,
+            which starts the grammar after a thought).
 
     Raises:
         APIError: 400 naming the field: more than one given, or an invalid schema / regex / grammar.
     """
-    rf = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    rf = req.response_format if response_format and req.response_format is not None \
+        and req.response_format.type != "text" else None
     given = {name: value for name, value in [
         ("response_format", rf), ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
         ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)] if value is not None}
@@ -173,7 +188,8 @@ def structured_output(req: RequestBase) -> StructuredOutput | None:
     try:
         if param == "response_format":
             if value.type == "json_object":
-                so = StructuredOutput(json_object=True)
+                so = StructuredOutput(json_object=True) if value.schema_ is None else \
+                    StructuredOutput(json_schema=value.schema_ if isinstance(value.schema_, dict) else {})
             elif value.json_schema is None or value.json_schema.schema_ is None:
                 raise APIError(400, "response_format.json_schema.schema is required for type json_schema",
                                "response_format.json_schema.schema")

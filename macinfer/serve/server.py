@@ -15,6 +15,10 @@ Design choices:
   guided_json / guided_regex / guided_choice / guided_grammar.
 - Structured output (`response_format` json_object / json_schema, the guided_* fields) is
   enforced while sampling, by a grammar mask on each token (macinfer.core.grammar).
+- A chat request goes through macinfer.chat (the template, thinking, tool calls and their
+  grammars: `prepare`); each choice renders its reply's events (macinfer.serve.choices):
+  `reasoning_content` / `reasoning` apart from `content`, tool calls streamed as OpenAI streams
+  them, `usage.completion_tokens_details.reasoning_tokens`.
 
 The request bodies, their checks and the error body are in macinfer.serve.schemas; the API key, the
 body size limit and the error handlers in macinfer.serve.guard.
@@ -36,6 +40,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, prepare
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
@@ -53,7 +58,6 @@ from macinfer.serve.schemas import (
     message_text,
     structured_output,
 )
-from macinfer.serve.tools import request_tools, template_messages
 
 log = logging.getLogger("macinfer.serve.server")
 
@@ -79,7 +83,8 @@ class Server:
 
     # -- request -> (prompt ids, params) ------------------------------------------------
     @staticmethod
-    def _params(m: ServedModel, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool) -> SamplingParams:
+    def _params(m: ServedModel, req: RequestBase, num_prompt: int, max_tokens: int | None, chat: bool,
+                structured=None) -> SamplingParams:
         ctx = m.llm.info.context_length
         if num_prompt >= ctx:
             raise APIError(400, f"the prompt is {num_prompt} tokens but {m.name} holds at most {ctx}: "
@@ -87,7 +92,8 @@ class Server:
         try:
             return SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, structured=structured_output(req),
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                structured=structured if chat else structured_output(req),
                 # None: as much as the context allows. Beyond the context, the engine stops with "length".
                 max_tokens=ctx - num_prompt if max_tokens is None else max_tokens,
                 logprobs=_logprobs(req, chat), presence_penalty=req.presence_penalty,
@@ -99,22 +105,27 @@ class Server:
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
     @staticmethod
-    def chat_prompt(llm, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
-        if not req.messages:
-            raise APIError(400, "messages must hold at least one message", "messages")
+    def chat_prepare(llm, req: ChatCompletionRequest) -> PreparedChat:
+        """The chat request through macinfer.chat: prompt ids, its grammar, a parser per choice.
+
+        Raises:
+            APIError: 400 naming the field that cannot be honoured.
+        """
         messages = []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
-            # Extra fields (tool_calls, tool_call_id, name) go to the template as they came.
+            # Extra fields (tool_calls, tool_call_id, name, reasoning_content) go to the template as they came.
             messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
-        if any(m.get("tool_calls") for m in messages):
-            messages = template_messages(messages)
+        rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
+        creq = ChatRequest(messages, tools=req.tools, tool_choice=req.tool_choice,
+                           parallel_tool_calls=req.parallel_tool_calls, response_format=rf,
+                           reasoning_effort=req.reasoning_effort, template_kwargs=req.chat_template_kwargs)
         try:
-            return llm.apply_chat_template(messages, tools=tools)
-        except MacinferError as e:
-            raise APIError(400, str(e), "messages") from None
-        except Exception as e:  # jinja's TemplateError, raise_exception() in templates
-            raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
+            return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)))
+        except ChatRequestError as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from None
+        except MacinferError as e:  # the model's own format cannot be read here: not the request's fault
+            raise APIError(500, str(e), None, "model_format_unavailable", "server_error") from None
 
     @staticmethod
     def completion_prompt(llm, req: CompletionRequest) -> list[int]:
@@ -140,11 +151,15 @@ class Server:
 
     # -- responses -----------------------------------------------------------------------
     @staticmethod
-    def _usage(outs: list) -> dict:
-        """Usage of a response: the prompt once, the completion tokens of every choice."""
+    def _usage(choices: list[Choice]) -> dict:
+        """Usage of a response: the prompt once, the completion (and thought) tokens of every choice."""
+        outs = [c.output for c in choices]
         prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": outs[0].metrics.cached_tokens}}
+        if choices[0].chat:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
+        return usage
 
     @staticmethod
     def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
@@ -175,17 +190,17 @@ class Server:
 
     async def _respond(self, m: ServedModel, req: RequestBase, http: Request, chat: bool) -> Any:
         llm = m.llm
-        tools = request_tools(req.tools, req.tool_choice, llm.tokenizer) if chat else None
-        # NOTE: tokenising (and the chat template) runs on a worker thread: a long prompt must not
-        # stall the event loop, which serves /health and every other client's stream.
-        ids = await (asyncio.to_thread(self.chat_prompt, llm, req, tools) if chat
-                     else asyncio.to_thread(self.completion_prompt, llm, req))
+        # NOTE: tokenising (and the chat template, and compiling a grammar's check) runs on a worker
+        # thread: a long prompt must not stall the event loop, which serves /health and every
+        # other client's stream.
+        prepared = await asyncio.to_thread(self.chat_prepare, llm, req) if chat else None
+        ids = prepared.prompt_ids if chat else await asyncio.to_thread(self.completion_prompt, llm, req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(m, req, len(ids), max_tokens, chat)
+        params = self._params(m, req, len(ids), max_tokens, chat, prepared.params.structured if chat else None)
         self._check_queue(m.engine)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(i, chat, llm.tokenizer, params.logprobs is not None, req.return_token_ids,
-                          tools, req.stream) for i in range(req.n)]
+                          prepared.new_parser() if chat else None) for i in range(req.n)]
         streams = self._start(m.engine, ids, params, rid, req.n)
         try:
             # Wait for the engine to accept them (and for a first token) before committing to a 200.
@@ -218,7 +233,7 @@ class Server:
         for out in outs:
             self.metrics.observe_request(out, "chat" if chat else "completions", m.name)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": m.name,
-                "choices": [c.final() for c in choices], "usage": self._usage(outs)}
+                "choices": [c.final() for c in choices], "usage": self._usage(choices)}
 
     async def _sse(self, model: str, deltas, streams, choices, rid, kind, include_usage) -> AsyncIterator[str]:
         created = int(time.time())
@@ -241,7 +256,7 @@ class Server:
                     yield chunk([body])
             outs = [c.output for c in choices]
             if include_usage:
-                yield chunk([], self._usage(outs))
+                yield chunk([], self._usage(choices))
             yield "data: [DONE]\n\n"
             for out in outs:
                 self.metrics.observe_request(out, "chat" if chat else "completions", model)

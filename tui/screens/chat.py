@@ -18,7 +18,7 @@ from textual.widgets import Footer, Header, Static
 
 from macinfer.tui import commands
 from macinfer.tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
-                          ReplyFinished, ReplyText, StatsUpdate)
+                          ReplyFinished, ReplyText, ReplyThought, StatsUpdate)
 from macinfer.tui.runner import Abort, Generate, Load, SetOption
 from macinfer.tui.session import ChatSession
 from macinfer.tui.widgets import LoadingBar, MetricsPanel, PromptInput, Transcript
@@ -119,6 +119,10 @@ class ChatScreen(Screen):
         if msg.request_id == self.request_id and self.reply is not None:
             self.reply.write(msg.text)
 
+    async def on_reply_thought(self, msg: ReplyThought) -> None:
+        if msg.request_id == self.request_id and self.reply is not None:
+            await self.reply.think(msg.text, msg.tokens, msg.seconds, msg.done)
+
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.query_one(MetricsPanel).update_stats(msg.stats)
         if self.request_id is not None and not self.cancelling:
@@ -130,7 +134,7 @@ class ChatScreen(Screen):
         if msg.request_id != self.request_id:
             return
         text = await self.reply.finish() if self.reply else ""
-        self.session.add("assistant", text)
+        self.session.add("assistant", text, reasoning=self.reply.thought if self.reply else None)
         self.query_one(MetricsPanel).update_stats(msg.stats)
         self.request_id, self.reply, self.cancelling = None, None, False
         if msg.finish_reason == "abort":
@@ -199,7 +203,7 @@ class ChatScreen(Screen):
         self.session.add("user", text)
         self.reply = await transcript.add_reply()
         self.request_id = uuid.uuid4().hex[:12]
-        self.engine.submit(Generate(self.request_id, self.session.messages(), self.session.params()))
+        self.engine.submit(Generate(self.request_id, self.session.messages(), self.session.params(), self.session.think))
         self._show_status()
 
     # -- actions --------------------------------------------------------------------
@@ -316,6 +320,14 @@ class ChatScreen(Screen):
             await self._notice(f"{label}: n/a (not available in this engine yet)", error=True)
             return
         self.engine.submit(SetOption(option, commands.parse_switch(arg, current)))
+
+    async def cmd_think(self, arg: str) -> None:
+        """/think on|off: enable_thinking for the template from the next reply on (a model that thinks)."""
+        if not arg and self.session.think is None:
+            await self._notice("thinking: the model's default. /think on or /think off sets it")
+            return
+        self.session.think = commands.parse_switch(arg, self.session.think is not False)
+        await self._notice(f"thinking {'on' if self.session.think else 'off'} (for a model that thinks)")
 
     async def cmd_spec(self, arg: str) -> None:
         await self._toggle("speculation", "speculative decoding", arg)

@@ -7,7 +7,7 @@ import re
 import time
 
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 
@@ -25,6 +25,43 @@ def complete_blocks(text: str) -> tuple[str, str]:
     while cut >= 0 and len(FENCE.findall(text, 0, cut)) % 2:  # inside a fence: look further back
         cut = text.rfind("\n\n", 0, cut)
     return (text[:cut + 2], text[cut + 2:]) if cut >= 0 else ("", text)
+
+
+class Thought(Collapsible):
+    """A reply's thought, above it: open and live while the model thinks, then folded, titled with
+    how long it took and its token count ("thought for 3.2 s · 120 tokens")."""
+
+    DEFAULT_CSS = """
+    Thought {
+        margin: 1 0 0 1;
+        padding: 0;
+        border: none;
+        background: transparent;
+    }
+    Thought .thought-text {
+        color: $text-muted;
+        padding: 0 1 0 1;
+    }
+    """
+
+    def __init__(self, text: str = "", done: bool = False, title: str = "thinking"):
+        self.body = Static(text.strip(), markup=False, classes="thought-text")
+        super().__init__(self.body, title=title, collapsed=done)
+        self.text = text
+
+    def add(self, text: str, tokens: int, seconds: float, done: bool) -> None:
+        self.text += text
+        if text:
+            self.body.update(self.text.strip())
+        self.title = thought_title(tokens, seconds, done)
+        if done:
+            self.collapsed = True
+
+
+def thought_title(tokens: int, seconds: float, done: bool) -> str:
+    """'thinking… 12 tokens' while live; 'thought for 3.2 s · 120 tokens' once done."""
+    count = f"{tokens} token{'s' if tokens != 1 else ''}"
+    return f"thought for {seconds:.1f} s · {count}" if done else f"thinking… {count}"
 
 
 class Reply(Vertical):
@@ -71,10 +108,23 @@ class Reply(Vertical):
         self._pump: asyncio.Task | None = None
         self._layout_at = 0.0  # perf_counter time after which the next show may lay out
         self._finished = False
+        self.thought_block: Thought | None = None
 
     def compose(self):
         yield self.markdown
         yield self.tail
+
+    @property
+    def thought(self) -> str:
+        """The reply's thought ("" if the model did not think)."""
+        return self.thought_block.text if self.thought_block is not None else ""
+
+    async def think(self, text: str, tokens: int, seconds: float, done: bool) -> None:
+        """More of the thought (the block is mounted above the reply on the first piece)."""
+        if self.thought_block is None:
+            self.thought_block = Thought(title=thought_title(tokens, seconds, done))
+            await self.mount(self.thought_block, before=self.markdown)
+        self.thought_block.add(text, tokens, seconds, done)
 
     @property
     def source(self) -> str:
@@ -185,6 +235,9 @@ class Transcript(VerticalScroll):
                 await self.add_user(t["content"])
             else:
                 reply = await self.add_reply()
+                if t.get("reasoning"):
+                    reply.thought_block = Thought(t["reasoning"], done=True, title="thought")
+                    await reply.mount(reply.thought_block, before=reply.markdown)
                 reply.write(t["content"])
                 await reply.finish()
 
