@@ -7,3 +7,8 @@ class MacinferError(Exception):
     The CLI prints `error: <message>` and exits non-zero without a traceback;
     the server maps it to a 4xx. Messages are one line.
     """
+
+
+class InvalidGrammar(MacinferError):
+    """A request's structured output (schema, regex, grammar) cannot constrain this model's sampling:
+    invalid, or admitting no reply at all. The server names the request's field that carried it."""

@@ -82,7 +82,7 @@ BAD: dict[str, tuple] = {
     "stream-options-alone": ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400,
                              "stream_options"),
     "response-format-unknown": ("/v1/chat/completions", chat(response_format={"type": "xml"}), 400,
-                                "response_format"),
+                                "response_format.type"),
     "schema-invalid": ("/v1/chat/completions", schema({"type": "frob"}), 400, "response_format"),
     "schema-degenerate": ("/v1/chat/completions", schema({"$ref": "#"}), 400, "response_format"),
     "schema-impossible": ("/v1/chat/completions", schema({"type": "string", "minLength": 5, "maxLength": 2}), 400,

@@ -56,7 +56,7 @@ from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.output_processor import OutputProcessor, RequestTable
 from macinfer.engine.pipeline import Pipeline
 from macinfer.engine.protocol import EngineFeatures
-from macinfer.errors import MacinferError
+from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.kv.kernel_dispatch import attention_layers, select_attention
 from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
 from macinfer.kv.paged_attention import paged_attention
@@ -239,7 +239,7 @@ class LLMEngine(RequestTable):
             try:
                 grammar = self.grammars.matcher(params.structured)
             except ValueError as e:
-                raise MacinferError(str(e)) from None
+                raise InvalidGrammar(str(e)) from None
         parent = self.output.get(fork_of) if fork_of is not None else None
         with self.runner.evaluator.context():  # a sampler's arrays on the stream the steps use
             seq = new_sequence(self, prompt, params, request_id, arrival_time, grammar=grammar, parent=parent)

@@ -6,6 +6,7 @@ Checked before any route runs or any body is parsed, each refusal counted in the
 
 from __future__ import annotations
 
+import re
 import secrets
 
 from fastapi import FastAPI
@@ -70,6 +71,27 @@ def _too_large(max_body_bytes: int) -> APIError:
                     None, "request_too_large")
 
 
+# The tags pydantic adds to a location inside a union ("str", "list[dict[str,any]]", "function-after[...]").
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|[\w-]+\[.*\]|function-[\w-]+|constrained-[\w-]+)$")
+
+
+def openai_param(loc) -> str | None:
+    """A validation error's location as OpenAI names a parameter: `messages[0].content`.
+
+    pydantic's location also names the branch of a union that failed (`messages.0.content.str`):
+    that is the validator's, not the client's, and is left out.
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _UNION_TAG.match(str(part)):
+            break
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
 def _authorized(header: str, api_key: str) -> bool:
     """`Bearer <key>`; the scheme word is case-insensitive (RFC 7235)."""
     scheme, _, token = header.strip().partition(" ")
@@ -96,19 +118,23 @@ def add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [x for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             why = (err.get("ctx") or {}).get("error")
-            msg, param = "the request body is not valid JSON" + (f": {why}" if why else ""), None
+            msg, param, code = "the request body is not valid JSON" + (f": {why}" if why else ""), None, "invalid_json"
         elif loc == [] and err.get("type") == "model_attributes_type":
-            msg, param = "the request body must be a JSON object (Content-Type: application/json)", None
+            msg, param, code = "the request body must be a JSON object (Content-Type: application/json)", None, "invalid_json"
         else:
-            param = ".".join(loc) or None
+            param, code = openai_param(loc), err.get("type") or "invalid_value"
             msg = f"{param}: {err.get('msg', 'invalid value')}" if param else err.get("msg", "invalid request")
-        return await api_error(request, APIError(400, msg, param, err.get("type")))
+        return await api_error(request, APIError(400, msg, param, code))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         if e.status_code == 413:  # RequestBodyLimitMiddleware
             return await api_error(request, _too_large(max_body_bytes))
-        return await api_error(request, APIError(e.status_code, str(e.detail), None, None))
+        if e.status_code == 400 and "parsing the body" in str(e.detail):  # FastAPI: not UTF-8, or nested too deeply
+            return await api_error(request, APIError(400, "the request body is not valid JSON (it must be UTF-8 "
+                                                          "and nested at most a few hundred levels)", None, "invalid_json"))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        return await api_error(request, APIError(e.status_code, str(e.detail), None, code))

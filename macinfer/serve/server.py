@@ -44,8 +44,9 @@ from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, p
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
-from macinfer.errors import MacinferError
+from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.core.sampling import SamplingParams
+from macinfer.core.sampling_params import MAX_TOP_LOGPROBS
 from macinfer.serve.metrics import ServerMetrics
 from macinfer.serve.model_pool import ModelPool, PoolOptions, ServedModel
 from macinfer.serve.schemas import (
@@ -208,6 +209,10 @@ class Server:
         except EngineDeadError as e:
             await _close(streams)
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+        except InvalidGrammar as e:
+            await _close(streams)
+            field = _grammar_field(req)
+            raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
         except (MacinferError, ValueError) as e:
             await _close(streams)
             raise APIError(400, str(e), None, "invalid_request") from None
@@ -271,6 +276,9 @@ def _logprobs(req: RequestBase, chat: bool) -> int | None:
         return None if req.logprobs is None or req.logprobs is False else int(req.logprobs)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       "top_logprobs", "invalid_value")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -405,6 +413,15 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
     _add_routes(app, server)
     return app
+
+
+def _grammar_field(req: RequestBase) -> str:
+    """The request field that carried its grammar: response_format, a guided_* field, or tool_choice."""
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name, None)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            return name
+    return "tool_choice"
 
 
 def _load_prepared(load, spec: str):
