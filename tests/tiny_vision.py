@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tiny import train_tokenizer
 
-FAMILIES = ("gemma3", "mistral3")
+FAMILIES = ("gemma3", "mistral3", "lfm2-vl")
 
 
 def _template(image: str) -> str:
@@ -85,10 +85,33 @@ def _mistral3(vocab: dict, V: int) -> tuple[dict, dict, dict]:
     return config, preprocessor, processor
 
 
+def _lfm2_vl(vocab: dict, V: int) -> tuple[dict, dict, dict]:
+    config = {
+        "model_type": "lfm2-vl", "image_token_index": vocab["<image>"], "downsample_factor": 2,
+        "projector_hidden_size": 32, "projector_hidden_act": "gelu", "projector_bias": True, "vocab_size": V,
+        "text_config": {"model_type": "lfm2", "vocab_size": V, "hidden_size": 64, "num_hidden_layers": 3,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                        "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128,
+                        "block_multiple_of": 8, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+                        "intermediate_size": 128, "conv_dim": 64, "conv_dim_out": 64, "rope_theta": 10000.0,
+                        "layer_types": ["conv", "full_attention", "conv"]},
+        "vision_config": {"model_type": "lfm2_vl", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "num_patches": 16},
+    }
+    preprocessor = {"image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor",
+                    "encoder_patch_size": 14, "downsample_factor": 2, "min_image_tokens": 1, "max_image_tokens": 4,
+                    "tile_size": 28, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 2,
+                    "do_image_splitting": False, "use_thumbnail": False}
+    processor = {"processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True,
+                 "do_image_splitting": False, "use_thumbnail": False}
+    return config, preprocessor, processor
+
+
 SPECS = {
     "gemma3": (_gemma3, ["<start_of_image>", "<end_of_image>", "<image_soft_token>"], "<start_of_image>",
                {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}),
     "mistral3": (_mistral3, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]", None),
+    "lfm2-vl": (_lfm2_vl, ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"], "<image>", None),
 }
 
 
