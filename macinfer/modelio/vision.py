@@ -21,6 +21,7 @@ not listed runs its text only (`vision_status` says so, for `show` and `ls`).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +83,10 @@ class ImageEncoder:
         vlm: mlx-vlm's model, whose `language_model` is the paged engine's.
         processor: mlx-vlm's processor for it (tokenizer + image processor).
         salt: what besides the pixels makes an image's tokens (the processor's settings).
+        cache_bytes: memory for images' embeddings kept across requests (`embed`).
     """
 
-    def __init__(self, family: Family, model_type: str, vlm, processor, salt: bytes):
+    def __init__(self, family: Family, model_type: str, vlm, processor, salt: bytes, cache_bytes: int = 256 << 20):
         tokenizer = getattr(processor, "tokenizer", processor)
         self.family, self.model_type, self.vlm, self.processor, self.salt = family, model_type, vlm, processor, salt
         config = vlm.config
@@ -94,6 +96,10 @@ class ImageEncoder:
             raise MacinferError(f"{model_type}: the tokenizer lacks the image tokens ({family.end_token})")
         self.placeholder = family.placeholder
         self.max_images = family.max_images
+        # image hash -> its rows of the input embeddings (embed), least recently used first
+        self.cache: OrderedDict = OrderedDict()
+        self.cache_used, self.cache_bytes = 0, cache_bytes
+        self.tower_runs = 0  # how often the vision tower ran (a prompt with an image not kept)
 
     @classmethod
     def load(cls, path: Path, model, config: dict, cast_float32: bool = False) -> "ImageEncoder":
@@ -182,16 +188,43 @@ class ImageEncoder:
 
         mlx-vlm's own get_input_embeddings over the prompt up to its last image token: the vision
         tower and projector run on every image of the prompt, and each family places its features
-        its own way.
+        its own way. Each image's rows are kept by its hash (least recently used first out, within
+        `cache_bytes`): a prompt whose images are all kept is assembled from them and the plain token
+        embeddings, and the tower does not run (a second question about the same image, a prefix hit
+        that ends inside an image's tokens).
         """
         import mlx.core as mx
 
         ids = mx.array([prompt_ids[: mm.end]], dtype=mx.int32)
-        out = self.vlm.get_input_embeddings(ids, mm.pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32),
-                                            **mm.tower_kwargs)
-        embeds = out.inputs_embeds[0]
+        kept = [self.cache.get(h) for h in mm.hashes]
+        if all(k is not None and k.shape[0] == b - a for k, (a, b) in zip(kept, mm.spans)):
+            for h in mm.hashes:
+                self.cache.move_to_end(h)
+            plain, parts, at = self.embed_tokens(ids)[0], [], 0
+            for rows, (a, b) in zip(kept, mm.spans):
+                parts += [plain[at:a], rows.astype(plain.dtype)]
+                at = b
+            embeds = mx.concatenate(parts)
+        else:
+            self.tower_runs += 1
+            out = self.vlm.get_input_embeddings(ids, mm.pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32),
+                                                **mm.tower_kwargs)
+            embeds = out.inputs_embeds[0]
+            self._keep(mm, embeds)
         mx.eval(embeds)
         return embeds
+
+    def _keep(self, mm: MultiModalInputs, embeds) -> None:
+        """Keep each image's rows of `embeds` (copies: a slice would hold the whole prompt's buffer)."""
+        import mlx.core as mx
+
+        for h, (a, b) in zip(mm.hashes, mm.spans):
+            if h not in self.cache:
+                self.cache[h] = embeds[a:b] * 1
+                self.cache_used += self.cache[h].nbytes
+        mx.eval(list(self.cache.values()))
+        while self.cache_used > self.cache_bytes and len(self.cache) > 1:
+            self.cache_used -= self.cache.popitem(last=False)[1].nbytes
 
     def embed_tokens(self, ids):
         """Plain token embeddings (B, L) -> (B, L, D), as the language model takes them."""
