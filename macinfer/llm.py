@@ -106,33 +106,38 @@ class LLM:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise MacinferError(f"the model's chat template failed on these messages ({why})") from None
 
-    def image_prompt(self, messages: list[dict] | str, images: list) -> tuple[list[int], MultiModalInputs]:
+    def image_prompt(self, messages: list[dict] | str, images: list,
+                     tools: list[dict] | None = None) -> tuple[list[int], MultiModalInputs]:
         """A prompt with images: its token ids (each image's tokens in place) and its MultiModalInputs.
 
         Args:
             messages: chat messages whose content lists hold {"type": "image"} parts where the images go
                 (in order), rendered by the chat template; or raw text, the images placed before it.
             images: RGB PIL images (macinfer.modelio.images.read_image), one per image part.
+            tools: OpenAI's function schemas, for the chat template.
 
         Raises:
             MacinferError: the model does not see, or the images do not fit the prompt.
         """
         if self.images is None:
-            raise MacinferError(f"{self.info.name} does not take images (vision: {vision_status(self.info.config)})")
+            status = vision_status(self.info.config)
+            why = "it is a text-only model" if status == "no" else status.replace("yes, ", "it sees but runs ", 1)
+            raise MacinferError(f"{self.info.name} does not take images: {why}")
         text = (self.images.placeholder * len(images) + messages if isinstance(messages, str)
-                else self._template_text(messages, len(images)))
+                else self._template_text(messages, len(images), tools))
         return self.images.process(text, images)
 
-    def _template_text(self, messages: list[dict], num_images: int) -> str:
+    def _template_text(self, messages: list[dict], num_images: int, tools: list[dict] | None = None) -> str:
         """The chat template's text for messages with image parts. A template that drops the image parts
         (text only) gets the model's placeholders in front of each message's text instead."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise MacinferError("this model has no chat template: send raw text instead")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            kw = {"tools": tools} if tools else {}
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
             if text.count(self.images.placeholder) != num_images:
                 flat = [{**m, "content": _flatten_parts(m.get("content"), self.images.placeholder)} for m in messages]
-                text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kw)
         except Exception as e:  # jinja's TemplateError, raise_exception() in the template ...
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise MacinferError(f"the model's chat template failed on these messages ({why})") from None

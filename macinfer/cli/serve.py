@@ -37,14 +37,16 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--lenient", is_flag=True,
               help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
+@click.option("--allow-remote-images", is_flag=True,
+              help="Let image content parts name http(s) URLs, fetched by the server (default: data URLs and local paths).")
 @engine_option
 @parallel_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
-              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, log_level, engine, parallel,
-              micro_batches):
+              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, allow_remote_images,
+              log_level, engine, parallel, micro_batches):
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
@@ -55,7 +57,9 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     ignore_eos, return_token_ids; mlx-lm's repetition_penalty. An unknown field
     is a 400 naming it, unless --lenient. With --api-key, every route but
     /health needs the key (--health-auth: /health too). Bodies over 8 MiB get 413;
-    beyond --max-queue waiting requests, 429 with Retry-After.
+    beyond --max-queue waiting requests, 429 with Retry-After. A vision-language
+    model takes image_url content parts: data URLs and paths on this host
+    (--allow-remote-images: http(s) URLs too).
 
     Several models: each --model, and any model `macinfer ls` lists, is loaded on
     the first request naming it ("model"); GET /v1/models lists them all, each
@@ -94,7 +98,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     pool.lease_what = f"macinfer serve on port {port}"  # `macinfer rm` refuses a loaded model
     limits = {"max_queue": max_queue} if max_queue is not None else {}
     app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
-                     models=pool, **limits)
+                     models=pool, allow_remote_images=allow_remote_images, **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

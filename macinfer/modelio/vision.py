@@ -128,8 +128,15 @@ class ImageEncoder:
                 if half:
                     part.update(tree_unflatten(half))
         mx.eval([p.parameters() for p in parts])
-        processor = load_processor(Path(path), add_detokenizer=False)
-        image_processor = load_image_processor(Path(path))
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # mlx-vlm's processor loading warns of transformers' deprecations
+        try:
+            processor = load_processor(Path(path), add_detokenizer=False)
+            image_processor = load_image_processor(Path(path))
+        finally:
+            hf_logging.set_verbosity(verbosity)
         if image_processor is not None:
             processor.image_processor = image_processor
         salt = b"".join((Path(path) / f).read_bytes() for f in ("preprocessor_config.json", "processor_config.json")

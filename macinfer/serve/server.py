@@ -44,6 +44,7 @@ from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, p
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
+from macinfer.serve.images import has_images, image_messages
 from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sampling_params import MAX_TOP_LOGPROBS
@@ -67,9 +68,11 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses, each on its model's engine."""
 
-    def __init__(self, pool: ModelPool, metrics: ServerMetrics, max_queue: int, lenient: bool = False):
+    def __init__(self, pool: ModelPool, metrics: ServerMetrics, max_queue: int, lenient: bool = False,
+                 allow_remote_images: bool = False):
         self.pool, self.metrics = pool, metrics
         self.lenient = lenient  # accept and ignore unknown request fields
+        self.allow_remote_images = allow_remote_images  # image parts may name http(s) URLs (macinfer.serve.images)
         self.created = int(time.time())
         self.max_queue = max_queue
 
@@ -106,23 +109,27 @@ class Server:
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
     @staticmethod
-    def chat_prepare(llm, req: ChatCompletionRequest) -> PreparedChat:
-        """The chat request through macinfer.chat: prompt ids, its grammar, a parser per choice.
+    def chat_prepare(llm, req: ChatCompletionRequest, allow_remote_images: bool = False) -> PreparedChat:
+        """The chat request through macinfer.chat: prompt ids (and images), its grammar, a parser per choice.
 
         Raises:
             APIError: 400 naming the field that cannot be honoured.
         """
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = "system" if m.role == "developer" else m.role
-            # Extra fields (tool_calls, tool_call_id, name, reasoning_content) go to the template as they came.
-            messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
+        if has_images(req):  # image parts: read, checked, and {"type": "image"} for the template
+            messages, pictures = image_messages(llm, req, allow_remote_images)
+        else:
+            messages, pictures = [], None
+            for i, m in enumerate(req.messages):
+                role = "system" if m.role == "developer" else m.role
+                # Extra fields (tool_calls, tool_call_id, name, reasoning_content) go to the template as they came.
+                messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
         rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
         creq = ChatRequest(messages, tools=req.tools, tool_choice=req.tool_choice,
                            parallel_tool_calls=req.parallel_tool_calls, response_format=rf,
                            reasoning_effort=req.reasoning_effort, template_kwargs=req.chat_template_kwargs)
         try:
-            return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)))
+            return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)),
+                           images=pictures, vision=llm.images)
         except ChatRequestError as e:
             raise APIError(400, str(e), e.param, "invalid_value") from None
         except MacinferError as e:  # the model's own format cannot be read here: not the request's fault
@@ -163,15 +170,16 @@ class Server:
         return usage
 
     @staticmethod
-    def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
+    def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int, mm=None) -> list:
         """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
-        seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
+        seeds n > 1), the others forks of the first (they share its prompt's KV blocks); `mm`: the
+        prompt's images, or None."""
         streams = []
         for i in range(n):
             p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
                                                           (params.seed + i) % 2**64)
             streams.append(engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
-                                                fork_of=rid if i else None))
+                                                fork_of=rid if i else None, mm=mm))
         return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
@@ -191,10 +199,10 @@ class Server:
 
     async def _respond(self, m: ServedModel, req: RequestBase, http: Request, chat: bool) -> Any:
         llm = m.llm
-        # NOTE: tokenising (and the chat template, and compiling a grammar's check) runs on a worker
-        # thread: a long prompt must not stall the event loop, which serves /health and every
-        # other client's stream.
-        prepared = await asyncio.to_thread(self.chat_prepare, llm, req) if chat else None
+        # NOTE: tokenising (and the chat template, and compiling a grammar's check, and reading and
+        # processing images) runs on a worker thread: a long prompt must not stall the event loop,
+        # which serves /health and every other client's stream.
+        prepared = await asyncio.to_thread(self.chat_prepare, llm, req, self.allow_remote_images) if chat else None
         ids = prepared.prompt_ids if chat else await asyncio.to_thread(self.completion_prompt, llm, req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         params = self._params(m, req, len(ids), max_tokens, chat, prepared.params.structured if chat else None)
@@ -202,7 +210,7 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(i, chat, llm.tokenizer, params.logprobs is not None, req.return_token_ids,
                           prepared.new_parser() if chat else None) for i in range(req.n)]
-        streams = self._start(m.engine, ids, params, rid, req.n)
+        streams = self._start(m.engine, ids, params, rid, req.n, prepared.mm if chat else None)
         try:
             # Wait for the engine to accept them (and for a first token) before committing to a 200.
             firsts = [await _next_or_disconnect(s, http) for s in streams]
@@ -366,7 +374,7 @@ RETRY_AFTER_SECONDS = 1
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
-               lenient: bool = False, models: PoolOptions | None = None) -> FastAPI:
+               lenient: bool = False, models: PoolOptions | None = None, allow_remote_images: bool = False) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM), and with `models` others.
 
     Args:
@@ -380,6 +388,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         max_queue: requests waiting beyond the engine's max_num_seqs at most; more get a 429.
         lenient: accept and ignore unknown request fields (default: a 400 naming the field).
         health_auth: /health requires the API key too (by default it is open, for load balancers).
+        allow_remote_images: image content parts may name http(s) URLs, fetched by the server.
 
     Raises:
         MacinferError: an empty api_key.
@@ -400,7 +409,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
     metrics.attach_pool(pool)
-    server = Server(pool, metrics, max_queue=max_queue, lenient=lenient)
+    server = Server(pool, metrics, max_queue=max_queue, lenient=lenient, allow_remote_images=allow_remote_images)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
