@@ -131,3 +131,41 @@ def test_messages_with_images_render_through_the_model_s_template(vision):
     ids, mm = llm.image_prompt(messages("Two?", 2), [read_image(p) for p in pics])
     assert mm.num_images == 2 and [ids[a] for a, _ in mm.spans] == [llm.images.image_token_id] * 2
     assert all(ids[b - 1] == llm.images.end_token_id for _, b in mm.spans)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_chat_image_attaches_shows_and_saves_the_picture(vision, tmp_path):
+    """`/image FILE` then a message: the transcript names the image, the reply is mlx-vlm's, and /save
+    keeps the attachment (/load shows it again)."""
+    from macinfer.tui.app import ChatApp
+    from test_tui import loaded, notices, send, wait_for
+
+    path, pics, llm, vmodel, processor = vision
+    app = ChatApp(str(path), peak_bandwidth=100, max_tokens=MAX_TOKENS)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        await send(pilot, "/image /no/such.png")
+        assert "cannot read" in notices(app)[-1]
+        await send(pilot, f"/image {pics[0]}")
+        assert "[image: image0.png]" in notices(app)[-1]
+        await send(pilot, "Describe the fox")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        user = [str(w.render()) for w in app.chat.query(".user")]
+        assert user[-1].startswith("[image: image0.png]") and user[-1].endswith("Describe the fox")
+        want = oracle(vmodel, processor, llm, "Describe the fox", [read_image(pics[0])])[1]
+        eos = set(llm.engine.eos_token_ids)
+        want = want[: next((i for i, t in enumerate(want) if t in eos), len(want))]
+        assert app.session.turns[-1]["content"] == llm.tokenizer.decode(want)
+        assert app.chat.attached == []  # it went with that message
+        saved = tmp_path / "chat.json"
+        await send(pilot, f"/save {saved}")
+        assert json.loads(saved.read_text())["messages"][0]["images"] == [str(pics[0].resolve())]
+        await send(pilot, "/clear")
+        await send(pilot, f"/load {saved}")
+        await wait_for(pilot, lambda: any("[image: image0.png]" in str(w.render()) for w in app.chat.query(".user")),
+                       what="the loaded turn")

@@ -11,6 +11,7 @@ which the UI shows as "n/a".
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from macinfer.errors import MacinferError
@@ -23,6 +24,17 @@ if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load
     from macinfer.engine.protocol import Engine
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with images: its token ids and its images (macinfer.modelio.multimodal)."""
+
+    ids: list[int]
+    mm: object
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def find_peak(override: float | None):
@@ -106,11 +118,21 @@ class ChatBackend:
         mx.clear_cache()
 
     # -- prompts ----------------------------------------------------------------------
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict]) -> list[int] | ImagePrompt:
         """Token ids of the conversation with the model's chat template applied.
 
-        A model without a template gets the turns as plain text, one per paragraph.
+        A model without a template gets the turns as plain text, one per paragraph. Turns with
+        `images` (paths, macinfer.tui.session) make an ImagePrompt: the images are read here, in
+        the engine process, and each goes before its turn's text.
         """
+        if any(m.get("images") for m in messages):
+            from macinfer.modelio.images import read_image
+
+            pics = [read_image(p, f"image {p}") for m in messages for p in m.get("images", ())]
+            turns = [{"role": m["role"], "content": [{"type": "image"} for _ in m["images"]]
+                      + [{"type": "text", "text": m["content"]}]} if m.get("images") else
+                     {"role": m["role"], "content": m["content"]} for m in messages]
+            return ImagePrompt(*self.llm.image_prompt(turns, pics))
         if getattr(self.llm.tokenizer, "chat_template", None):
             return self.llm.apply_chat_template(messages)
         return self.llm.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
@@ -129,9 +151,11 @@ class ChatBackend:
         return prepared.prompt_ids, prepared.params, prepared.new_parser()
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
+    def add_request(self, prompt: list[int] | ImagePrompt, params: SamplingParams, request_id: str) -> str:
         """Queue a request; raises MacinferError if it cannot fit the context or the KV pool."""
-        return self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+        if isinstance(prompt, ImagePrompt):
+            return self.engine.add_request(prompt.ids, params, request_id=request_id, mm=prompt.mm)
+        return self.engine.add_request(prompt, params, request_id=request_id)
 
     def step(self) -> list[StreamDelta]:
         """One engine step: a delta for every request that moved (the last one has .output)."""
