@@ -115,8 +115,26 @@ SPECS = {
 }
 
 
-def build_tiny_vlm(out: Path | str, family: str = "gemma3", seed: int = 0) -> Path:
-    """Write a random-weight vision-language model of `family` (FAMILIES) to `out` and return it."""
+def _bench_gemma3(vocab: dict, V: int) -> tuple[dict, dict, dict]:
+    """A larger gemma3 for scripts/bench/vision.py: a 224-pixel, 4-layer tower (256 patches pooled to 64
+    image tokens) in front of a 4-layer, 256-wide language model."""
+    config, preprocessor, processor = _gemma3(vocab, V)
+    config.update(hidden_size=256, mm_tokens_per_image=64)
+    config["text_config"].update(hidden_size=256, num_hidden_layers=4, intermediate_size=1024, head_dim=64,
+                                 query_pre_attn_scalar=64, mm_tokens_per_image=64, sliding_window=512,
+                                 max_position_embeddings=2048)
+    config["vision_config"].update(num_hidden_layers=4, hidden_size=384, intermediate_size=1536,
+                                   num_attention_heads=6, image_size=224)
+    preprocessor["size"] = {"height": 224, "width": 224}
+    processor["image_seq_length"] = 64
+    return config, preprocessor, processor
+
+
+def build_tiny_vlm(out: Path | str, family: str = "gemma3", seed: int = 0, bench: bool = False) -> Path:
+    """Write a random-weight vision-language model of `family` (FAMILIES) to `out` and return it.
+
+    bench: gemma3's larger shape for scripts/bench/vision.py (`_bench_gemma3`).
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -135,7 +153,7 @@ def build_tiny_vlm(out: Path | str, family: str = "gemma3", seed: int = 0) -> Pa
     if named:
         tok_config["extra_special_tokens"] = named
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    config, preprocessor, processor = make(vocab, len(vocab))
+    config, preprocessor, processor = (_bench_gemma3 if bench else make)(vocab, len(vocab))
     config.update(eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|endoftext|>"], torch_dtype="float32")
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor))
