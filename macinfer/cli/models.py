@@ -93,8 +93,8 @@ def ls_cmd(as_json, available):
         click.echo(json.dumps({"models": [{**m.to_json(), "vision": _vision(m)} for m in models]}))
         return
     rows = [[m.name, m.architecture or "?", fmt_params(m.num_params), m.quantization or "?", m.size_text,
-             _sees(m), fmt_ago(m.last_used) if m.downloaded else "not downloaded", _source(m)] for m in models]
-    _table(["name", "architecture", "parameters", "quantisation", "size", "sees", "last used", "source"], rows,
+             fmt_ago(m.last_used) if m.downloaded else "not downloaded", _source(m), _sees(m)] for m in models]
+    _table(["name", "architecture", "parameters", "quantisation", "size", "last used", "source", "sees"], rows,
            right=("parameters", "size"))
     if any(not m.downloaded and m.kind == "catalog" for m in models):
         click.echo("\nnot downloaded: `macinfer pull NAME` fetches one (or `macinfer run NAME` on first use)")

@@ -20,6 +20,7 @@ not listed runs its text only (`vision_status` says so, for `show` and `ls`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -67,9 +68,7 @@ def vision_status(config: dict) -> str:
     family = config.get("model_type")
     if family not in FAMILIES:
         return f"yes, text only here ({family} images are not supported)"
-    try:
-        import mlx_vlm  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mlx_vlm") is None:  # found, not imported: `ls` stays fast
         return f"yes, text only here (needs {VISION_EXTRA})"
     return "yes"
 
