@@ -30,8 +30,13 @@ REMOTE_TIMEOUT_S = 10
 
 def has_images(req: ChatCompletionRequest) -> bool:
     """Whether any message holds an image content part."""
-    return any(isinstance(m.content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
-                                                   for p in m.content) for m in req.messages)
+    return _first_image(req) is not None
+
+
+def _first_image(req: ChatCompletionRequest) -> int | None:
+    """The index of the first message holding an image part, or None."""
+    return next((i for i, m in enumerate(req.messages) if isinstance(m.content, list) and any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m.content)), None)
 
 
 def image_messages(llm, req: ChatCompletionRequest, allow_remote: bool) -> tuple[list[dict], list]:
