@@ -125,10 +125,11 @@ def test_staggered_batch_with_preemption_matches_mlx_vlm(vlm, images):
 
 def test_same_image_hits_the_prefix_cache_and_another_image_does_not(vlm, images, monkeypatch):
     """A second question about the same image reuses the image's blocks (the vision tower does not run);
-    a different image in the same place is no hit there, and its answer is mlx-vlm's, not the first's."""
+    a different image in the same place is no hit there, and its answer is mlx-vlm's, not the first's.
+    With n-gram speculation on: still mlx-vlm's tokens."""
     family, llm, vmodel, processor = vlm
-    engine = engine_for(llm, num_blocks=64, block_size=4, max_num_batched_tokens=64,
-                        state_snapshot_memory=f"{16 * 64 << 10}B")
+    engine = engine_for(llm, num_blocks=64, block_size=4, max_num_batched_tokens=64, draft="ngram",
+                        state_snapshot_memory=f"{16 * 64 << 10}B")  # drafts verified exactly, images or not
     if isinstance(engine.scheduler, StateScheduler):  # a hybrid: a snapshot where the images end (short prompts)
         monkeypatch.setattr(engine.scheduler, "min_snapshot_tokens", 4)
     llm.images.cache.clear()
