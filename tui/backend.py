@@ -118,21 +118,11 @@ class ChatBackend:
         mx.clear_cache()
 
     # -- prompts ----------------------------------------------------------------------
-    def encode(self, messages: list[dict]) -> list[int] | ImagePrompt:
+    def encode(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation with the model's chat template applied.
 
-        A model without a template gets the turns as plain text, one per paragraph. Turns with
-        `images` (paths, macinfer.tui.session) make an ImagePrompt: the images are read here, in
-        the engine process, and each goes before its turn's text.
+        A model without a template gets the turns as plain text, one per paragraph.
         """
-        if any(m.get("images") for m in messages):
-            from macinfer.modelio.images import read_image
-
-            pics = [read_image(p, f"image {p}") for m in messages for p in m.get("images", ())]
-            turns = [{"role": m["role"], "content": [{"type": "image"} for _ in m["images"]]
-                      + [{"type": "text", "text": m["content"]}]} if m.get("images") else
-                     {"role": m["role"], "content": m["content"]} for m in messages]
-            return ImagePrompt(*self.llm.image_prompt(turns, pics))
         if getattr(self.llm.tokenizer, "chat_template", None):
             return self.llm.apply_chat_template(messages)
         return self.llm.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
@@ -143,12 +133,33 @@ class ChatBackend:
         Through macinfer.chat when the model has a chat template (its thought split from its
         answer; `think` is enable_thinking, None: the template's default); plain text otherwise.
         """
+        if any(m.get("images") for m in messages):
+            return self._image_prepare(messages, params, think)
         if not getattr(self.llm.tokenizer, "chat_template", None):
             return self.encode(messages), params, None
         from macinfer.chat.request import ChatRequest, prepare
 
         prepared = prepare(self.llm.tokenizer, ChatRequest(messages, enable_thinking=think), params)
         return prepared.prompt_ids, prepared.params, prepared.new_parser()
+
+    def _image_prepare(self, messages: list[dict], params: SamplingParams, think: bool | None):
+        """`prepare` for a conversation whose turns attach images (paths, macinfer.tui.session): they are
+        read here, in the engine process, each placed before its turn's text; an ImagePrompt comes back."""
+        from macinfer.chat.request import ChatRequest, prepare
+        from macinfer.modelio.images import read_image
+
+        if self.llm.images is None:
+            raise MacinferError(f"{self.info.name} does not take images: /image - drops the attachment")
+        pics = [read_image(p, f"image {p}") for m in messages for p in m.get("images", ())]
+        if not getattr(self.llm.tokenizer, "chat_template", None):
+            text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+            return ImagePrompt(*self.llm.image_prompt(text, pics)), params, None
+        turns = [{k: v for k, v in m.items() if k != "images"} | (
+            {"content": [{"type": "image"} for _ in m["images"]] + [{"type": "text", "text": m["content"]}]}
+            if m.get("images") else {}) for m in messages]
+        prepared = prepare(self.llm.tokenizer, ChatRequest(turns, enable_thinking=think), params, images=pics,
+                           vision=self.llm.images)
+        return ImagePrompt(prepared.prompt_ids, prepared.mm), prepared.params, prepared.new_parser()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt: list[int] | ImagePrompt, params: SamplingParams, request_id: str) -> str:

@@ -144,7 +144,7 @@ class RemoteBackend:
     def prepare(self, messages: list[dict], params: SamplingParams, think: bool | None = None):
         """(the conversation to send, sampling, its parser): the server splits the thought itself
         (`reasoning_content` deltas), RemoteReply only sorts the pieces."""
-        prompt = ChatPrompt(messages)
+        prompt = self.encode(messages)
         prompt.think = think
         return prompt, params, RemoteReply()
 
