@@ -238,5 +238,6 @@ class ChatBackend:
 
         self.llm.engine = self.engine = None
         gc.collect()  # drop the old KV pool before allocating the new one
-        self.llm.engine_kind, self.engine = make_engine(self.llm.model, self.llm.tokenizer, self.info, **options)
+        self.llm.engine_kind, self.engine = make_engine(self.llm.model, self.llm.tokenizer, self.info,
+                                                        images=self.llm.images, **options)
         self.llm.engine = self.engine

@@ -21,8 +21,8 @@ import itertools
 from typing import Any
 
 from macinfer.core.metrics import RequestMetrics
-from macinfer.modelio.multimodal import MultiModalInputs
 from macinfer.core.sampling import Sampler, SamplingParams
+from macinfer.modelio.multimodal import MultiModalInputs
 
 
 class SequenceStatus(enum.Enum):
