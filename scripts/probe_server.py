@@ -191,13 +191,6 @@ async def check_n4(client) -> str | None:
     return None
 
 
-def settle(llm, aengine, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (aengine.num_active or llm.engine.has_unfinished()):
-        time.sleep(0.05)
-    return llm.engine.kv_stats()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="any model `macinfer run` takes (default: the embedded SmolLM2), "
@@ -208,6 +201,7 @@ def main() -> int:
     import httpx2 as httpx  # the HTTP client the openai SDK installs here
     from macinfer.llm import LLM
     from macinfer.serve.server import create_app, serve_in_thread
+    from soak import settle  # scripts/soak.py: wait for aborts to reach the engine
 
     model = a.model
     if model == "tiny":
