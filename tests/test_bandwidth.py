@@ -159,18 +159,143 @@ def test_unknown_binned_part_falls_back_to_the_probe(monkeypatch, tmp_path):
     assert (bandwidth.peak_bandwidth().gbps, bandwidth.peak_bandwidth().source) == (546, "apple:M4 Max, 40-core GPU")
 
 
-def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
+def no_chip(monkeypatch, tmp_path):
     monkeypatch.setenv("MACINFER_HOME", str(tmp_path))
     monkeypatch.delenv("MACINFER_PEAK_BW", raising=False)
     monkeypatch.setattr(bandwidth, "apple_chip", lambda: None)
+
+
+def counting_probe(monkeypatch, gbps=7.5):
     calls = []
-    monkeypatch.setattr(bandwidth, "probe_gbps", lambda: calls.append(1) or 7.5)
+    monkeypatch.setattr(bandwidth, "probe_gbps", lambda: calls.append(1) or gbps)
+    return calls
+
+
+def test_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
+    no_chip(monkeypatch, tmp_path)
+    calls = counting_probe(monkeypatch)
     first = bandwidth.peak_bandwidth()
     second = bandwidth.peak_bandwidth()
-    assert (first.gbps, first.source) == (7.5, "CPU probe")
-    assert (second.gbps, second.source) == (7.5, "CPU probe, cached")
+    path = tmp_path / "bandwidth.json"
+    assert (first.gbps, first.source, first.detail) == (7.5, "CPU probe", f"measured now, cached in {path}")
+    assert (second.gbps, second.source) == (7.5, "CPU probe, cached") and second.detail.endswith(f", {path}")
+    assert f"(CPU probe, cached: measured 20" in second.describe()  # when, and which file
     assert calls == [1]
-    assert json.loads((tmp_path / "bandwidth.json").read_text())["gbps"] == 7.5
+    assert json.loads(path.read_text())["gbps"] == 7.5
+    assert [p.name for p in tmp_path.iterdir()] == ["bandwidth.json"]  # no temporary file left
+
+
+PROCESS = """
+import json, sys
+from macinfer.perf import bandwidth
+def probe(*a, **k):
+    if sys.argv[1] == "fail":
+        raise SystemExit("probed")
+    return float(sys.argv[1])
+bandwidth.probe_gbps = probe
+p = bandwidth.peak_bandwidth()
+print(json.dumps([p.gbps, p.source, p.detail]))
+"""
+
+
+@pytest.mark.skipif(bandwidth.apple_chip() is not None, reason="the chip table answers before the probe")
+def test_a_fresh_process_reads_the_cached_figure_and_does_not_probe(tmp_path):
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MACINFER_PEAK_BW"} | {"MACINFER_HOME": str(tmp_path)}
+
+    def process(arg):
+        r = subprocess.run([sys.executable, "-c", PROCESS, arg], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    assert process("12.5")[:2] == [12.5, "CPU probe"]
+    gbps, source, detail = process("fail")  # probing would exit with "probed"
+    assert (gbps, source) == (12.5, "CPU probe, cached") and str(tmp_path / "bandwidth.json") in detail
+
+
+def test_another_machine_or_probe_method_measures_again(monkeypatch, tmp_path):
+    no_chip(monkeypatch, tmp_path)
+    calls = counting_probe(monkeypatch)
+    assert bandwidth.peak_bandwidth().source == "CPU probe"
+    assert bandwidth.peak_bandwidth().source == "CPU probe, cached"
+    monkeypatch.setattr(bandwidth.platform, "node", lambda: "another-host")
+    assert bandwidth.peak_bandwidth().source == "CPU probe" and len(calls) == 2
+    assert bandwidth.peak_bandwidth().source == "CPU probe, cached"
+    monkeypatch.setattr(bandwidth, "PROBE_METHOD", bandwidth.PROBE_METHOD + ", changed")
+    assert bandwidth.peak_bandwidth().source == "CPU probe" and len(calls) == 3
+    monkeypatch.setattr(bandwidth, "probe_threads", lambda: 64)  # more CPUs: another machine too
+    assert bandwidth.peak_bandwidth().source == "CPU probe" and len(calls) == 4
+    assert json.loads((tmp_path / "bandwidth.json").read_text())["key"] == bandwidth.machine_key()
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": "%s", "gbps": "fast", "measured_at": "x"}',
+                                     '{"key": "%s", "gbps": -1, "measured_at": "x"}', '["a list"]', ""])
+def test_a_corrupt_cache_file_is_ignored_with_one_warning(monkeypatch, tmp_path, content):
+    no_chip(monkeypatch, tmp_path)
+    calls = counting_probe(monkeypatch)
+    path = tmp_path / "bandwidth.json"
+    path.write_text(content.replace("%s", bandwidth.machine_key()))
+    with pytest.warns(RuntimeWarning) as record:
+        peak = bandwidth.peak_bandwidth()
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    assert str(record[0].message).startswith(f"bandwidth: ignoring {path} (")
+    assert (peak.gbps, peak.source, calls) == (7.5, "CPU probe", [1])
+    assert bandwidth.peak_bandwidth().source == "CPU probe, cached"  # rewritten whole
+
+
+def test_a_failed_write_leaves_the_old_cache_whole(monkeypatch, tmp_path):
+    no_chip(monkeypatch, tmp_path)
+    counting_probe(monkeypatch)
+    path = tmp_path / "bandwidth.json"
+    path.write_text(json.dumps({"key": "another machine's", "gbps": 99.0, "measured_at": "x"}))
+
+    def fail(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bandwidth.os, "replace", fail)
+    peak = bandwidth.peak_bandwidth()
+    assert (peak.source, peak.detail) == ("CPU probe", "measured now, not cached (No space left on device)")
+    assert json.loads(path.read_text())["gbps"] == 99.0
+    assert [p.name for p in tmp_path.iterdir()] == ["bandwidth.json"]
+
+
+def test_the_probe_is_the_max_of_medians_of_cpu_time_rates(monkeypatch):
+    """Each thread's sum is timed by that thread's own CPU clock (time.thread_time, read in the thread
+    that sums), so time spent descheduled on a shared host is not read as slow memory; a trial is
+    the sum of its threads' rates, and the figure the higher of the 1- and n-thread medians.
+    The spies record the real clock values; the figure is recomputed from them."""
+    import threading
+    import time
+
+    import numpy as np
+
+    clock, sums = [], []
+    real_clock, real_sum = time.thread_time, np.sum
+
+    def thread_time():
+        clock.append((threading.get_ident(), real_clock()))
+        return clock[-1][1]
+
+    def np_sum(a, *k, **kw):
+        sums.append((threading.get_ident(), a.nbytes, len(clock)))
+        return real_sum(a, *k, **kw)
+
+    monkeypatch.setattr(time, "thread_time", thread_time)
+    monkeypatch.setattr(np, "sum", np_sum)
+    gbps = bandwidth.probe_gbps(mib=6, repeats=5, threads=3)
+
+    rates = []
+    for tid, nbytes, at in sums:  # its thread's clock reads just before and just after each sum
+        assert tid != threading.get_ident()
+        t0 = next(t for c_tid, t in reversed(clock[:at]) if c_tid == tid)
+        t1 = next(t for c_tid, t in clock[at:] if c_tid == tid)
+        rates.append(nbytes / max(t1 - t0, 1e-9) / 1e9)
+    assert len(clock) == 2 * len(sums) == 2 * (5 * 1 + 5 * 3)
+    one = [rates[i] for i in range(5)]
+    three = [sum(rates[5 + 3 * i: 8 + 3 * i]) for i in range(5)]  # trial i: its 3 threads' rates
+    assert gbps == pytest.approx(max(sorted(one)[2], sorted(three)[2]), rel=1e-9)
 
 
 def test_real_probe_is_plausible():

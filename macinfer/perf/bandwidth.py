@@ -6,25 +6,42 @@ the hardware limit a decoder runs (good ones reach 70-85% on Apple silicon).
 
 Peak comes from, in order: an explicit value (flag / MACINFER_PEAK_BW in GB/s),
 Apple's published figure for the detected chip (and, where binned parts of one
-chip differ, its GPU core count), or a short measured probe cached on disk.
+chip differ, its GPU core count), or a measured CPU probe cached on disk.
 
-The probe sums a 256 MiB array with numpy on the CPU, on one thread and on
-several (numpy releases the GIL), best of 5 each. It measures what the CPU cores
-can read, which is below the chip's peak on Apple silicon (the GPU reads faster),
-so its source says "CPU probe".
+The probe sums a 256 MiB array with numpy on one thread and on several (numpy
+releases the GIL), 15 trials each, and takes the higher of the two medians. A
+trial's figure is the sum over its threads of bytes read / that thread's CPU time
+(`time.thread_time`), not wall time: on a shared host a thread is often descheduled
+mid-sum, and wall-time figures then swung 2x between runs (16.5 vs 32.2 GB/s) while
+CPU-time ones stay within a few percent (docs/platform.md#bandwidth). NOTE: so the
+several-thread figure assumes the threads would read as fast side by side as they did
+whenever they ran; where the memory system cannot feed every core at once, it is an
+upper bound. It measures what the CPU cores can read, which is below the chip's peak
+on Apple silicon (the GPU reads faster), so its source says "CPU probe".
+
+The figure is cached in `cache_dir()/bandwidth.json`, written atomically, keyed by
+the machine (host name, machine id, CPU model, usable CPUs, memory) and the probe
+method (PROBE_METHOD): another machine or another method measures again, and a file
+that cannot be read is ignored with one warning. `describe()` says which it was:
+"CPU probe, measured now" or "CPU probe, cached" with the date and the file.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from macinfer.paths import cache_dir
 
 # Apple's published unified-memory bandwidth, GB/s, by chip name (after "Apple ").
 # A dict maps GPU core count -> GB/s where the binned parts of one chip differ
@@ -42,13 +59,19 @@ APPLE_PEAK_GBPS: dict[str, float | dict[int, float]] = {
 _CHIP = re.compile(r"\bM(\d+)(?:\s+(Pro|Max|Ultra))?\b")
 
 
+# The probe's method: part of the cache key, so a figure measured another way is measured again.
+PROBE_METHOD = "numpy-sum 256MiB, 1 and N threads, median of 15 CPU-time trials each, max/3"
+PROBE_MIB, PROBE_TRIALS = 256, 15
+
+
 @dataclass
 class PeakBandwidth:
     gbps: float
     source: str  # "flag", "env", "apple:M2 Pro", "apple:M3 Max, 40-core GPU", "CPU probe", "CPU probe, cached"
+    detail: str = ""  # for a probe: when it was measured and the cache file
 
     def describe(self) -> str:
-        return f"{self.gbps:.1f} GB/s ({self.source})"
+        return f"{self.gbps:.1f} GB/s ({self.source}{': ' + self.detail if self.detail else ''})"
 
 
 def apple_chip() -> str | None:
@@ -136,30 +159,106 @@ def probe_threads() -> int:
     return max(1, min(16, n))
 
 
-def probe_gbps(mib: int = 256, repeats: int = 5, threads: int | None = None) -> float:
-    """Measured CPU read bandwidth: best of `repeats` sums over a `mib` MiB array, on one
-    thread and on `threads` threads (default `probe_threads()`), each summing a slice."""
+def _read_rate(part) -> float:
+    """GB/s at which this thread sums `part`: its bytes / the CPU time this thread spent on them."""
+    import numpy as np
+
+    t = time.thread_time()
+    np.sum(part)
+    return part.nbytes / max(time.thread_time() - t, 1e-9) / 1e9
+
+
+def probe_gbps(mib: int = PROBE_MIB, repeats: int = PROBE_TRIALS, threads: int | None = None) -> float:
+    """Measured CPU read bandwidth (GB/s): the higher of the one-thread and the `threads`-thread
+    figure (default `probe_threads()`), each the median of `repeats` trials over a `mib` MiB array.
+
+    A trial's figure is the sum of its threads' rates, each thread timed by its own CPU time
+    (see the module docstring: wall time swings with the host's load).
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     a.sum()  # fault the pages in
-    best = float("inf")
+    medians = []
     for n in sorted({1, threads or probe_threads()}):
         parts = np.array_split(a, n)
         with ThreadPoolExecutor(n) as pool:
-            for _ in range(repeats):
-                t = time.perf_counter()
-                sum(pool.map(np.sum, parts))
-                best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
+            medians.append(statistics.median(sum(pool.map(_read_rate, parts)) for _ in range(repeats)))
+    return max(medians)
 
 
-def _cache_file() -> Path:
-    from macinfer.paths import cache_dir
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            continue
+    return ""
 
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return apple_chip() or platform.processor()
+
+
+def machine_key() -> str:
+    """What a cached probe figure is valid for: this machine and PROBE_METHOD (a short hash of both)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    parts = [PROBE_METHOD, platform.node(), _machine_id(), platform.machine(), _cpu_model(), str(probe_threads()),
+             str(memory)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def cache_file() -> Path:
     return cache_dir() / "bandwidth.json"
+
+
+def cached_probe(key: str) -> PeakBandwidth | None:
+    """The figure cached for `key`; None if there is none or it is another machine's or method's.
+
+    A file that cannot be read (corrupt, not ours) is ignored with one warning.
+    """
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        gbps, measured = float(data["gbps"]), str(data["measured_at"])
+        if not 0 < gbps < 1e5:
+            raise ValueError(f"implausible figure {gbps}")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"bandwidth: ignoring {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      "measuring again", RuntimeWarning, stacklevel=3)
+        return None
+    return PeakBandwidth(gbps, "CPU probe, cached", f"measured {measured}, {path}")
+
+
+def save_probe(key: str, gbps: float) -> str:
+    """Cache the figure atomically (a temporary file renamed over the old); the detail for describe()."""
+    path = cache_file()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = {"key": key, "gbps": gbps, "method": PROBE_METHOD, "measured_at": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home is no reason to fail a run
+        tmp.unlink(missing_ok=True)
+        return f"measured now, not cached ({e.strerror or e})"
+    return f"measured now, cached in {path}"
 
 
 def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBandwidth | None:
@@ -177,26 +276,13 @@ def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBan
         cores = gpu_core_count() if needs_gpu_cores(chip) else None
         if gbps := apple_peak(chip, cores):
             return PeakBandwidth(gbps, f"apple:{chip_key(chip)}" + (f", {cores}-core GPU" if cores else ""))
-    # v2: the probe reads with several threads (v1 used one and is measured again)
-    key = f"v2|{platform.node()}|{platform.machine()}|{platform.processor()}"
-    path = _cache_file()
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return PeakBandwidth(float(cached["gbps"]), "CPU probe, cached")
-    except (OSError, ValueError, KeyError):
-        pass
+    key = machine_key()
+    if cached := cached_probe(key):
+        return cached
     if not probe:
         return None
     gbps = probe_gbps()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "gbps": gbps}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home is no reason to fail a run
-    return PeakBandwidth(gbps, "CPU probe")
+    return PeakBandwidth(gbps, "CPU probe", save_probe(key, gbps))
 
 
 def bytes_per_step(info, kv_tokens: float) -> float:
