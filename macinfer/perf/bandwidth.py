@@ -8,16 +8,21 @@ Peak comes from, in order: an explicit value (flag / MACINFER_PEAK_BW in GB/s),
 Apple's published figure for the detected chip (and, where binned parts of one
 chip differ, its GPU core count), or a measured CPU probe cached on disk.
 
-The probe sums a 256 MiB array with numpy on one thread and on several (numpy
-releases the GIL), 15 trials each, and takes the higher of the two medians. A
-trial's figure is the sum over its threads of bytes read / that thread's CPU time
-(`time.thread_time`), not wall time: on a shared host a thread is often descheduled
-mid-sum, and wall-time figures then swung 2x between runs (16.5 vs 32.2 GB/s) while
-CPU-time ones stay within a few percent (docs/platform.md#bandwidth). NOTE: so the
-several-thread figure assumes the threads would read as fast side by side as they did
-whenever they ran; where the memory system cannot feed every core at once, it is an
-upper bound. It measures what the CPU cores can read, which is below the chip's peak
-on Apple silicon (the GPU reads faster), so its source says "CPU probe".
+The probe is one CPU core's read rate at its best: numpy sums 32 MiB slices of a 256 MiB
+array (in turn, so none is still in a cache) for 2 s, each sum timed by the thread's CPU time
+(`time.thread_time`), and the figure is the fastest. Why, measured on a loaded 2-core host
+(docs/platform.md#bandwidth-probe, scripts/bench/bandwidth.py):
+- wall time counts the time a thread waits descheduled: wall-time figures swung 2x and more
+  between runs (16.5 vs 32.2 GB/s; best of 5 over 10 fresh processes: 105-195% apart);
+- a neighbour streaming memory lowers even CPU-time rates for seconds at a time, so a median,
+  or a short probe, follows the neighbours; the fastest sum of a 2 s probe does not (contention
+  only ever slows a sum down);
+- one core, not all of them: several threads that run one after the other (a busy host) each
+  read as fast as one alone, while side by side (a quiet one) they share the memory system, so
+  an all-cores figure moves with the host's load. NOTE: so on hosts where all cores together
+  read faster than one, this is a lower bound of the machine's peak; MLX's CPU backend runs
+  most ops on one core. It is also below the chip's peak on Apple silicon (the GPU reads
+  faster), so its source says "CPU probe".
 
 The figure is cached in `cache_dir()/bandwidth.json`, written atomically, keyed by
 the machine (host name, machine id, CPU model, usable CPUs, memory) and the probe
@@ -60,8 +65,8 @@ _CHIP = re.compile(r"\bM(\d+)(?:\s+(Pro|Max|Ultra))?\b")
 
 
 # The probe's method: part of the cache key, so a figure measured another way is measured again.
-PROBE_METHOD = "numpy-sum 256MiB, 1 and N threads, median of 15 CPU-time trials each, max/3"
-PROBE_MIB, PROBE_TRIALS = 256, 15
+PROBE_METHOD = "one thread, numpy sums of 32 MiB slices of 256 MiB, CPU time, the fastest of 2 s"
+PROBE_MIB, PROBE_SLICES, PROBE_SECONDS, PROBE_MIN_TRIALS = 256, 8, 2.0, 16
 
 
 @dataclass
@@ -151,7 +156,7 @@ def gpu_core_count() -> int | None:
 
 
 def probe_threads() -> int:
-    """Threads the probe reads with: the usable CPUs, at most 16."""
+    """The usable CPUs, at most 16 (part of the machine's key)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -168,25 +173,19 @@ def _read_rate(part) -> float:
     return part.nbytes / max(time.thread_time() - t, 1e-9) / 1e9
 
 
-def probe_gbps(mib: int = PROBE_MIB, repeats: int = PROBE_TRIALS, threads: int | None = None) -> float:
-    """Measured CPU read bandwidth (GB/s): the higher of the one-thread and the `threads`-thread
-    figure (default `probe_threads()`), each the median of `repeats` trials over a `mib` MiB array.
-
-    A trial's figure is the sum of its threads' rates, each thread timed by its own CPU time
-    (see the module docstring: wall time swings with the host's load).
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
+def probe_gbps(mib: int = PROBE_MIB, seconds: float = PROBE_SECONDS, min_trials: int = PROBE_MIN_TRIALS) -> float:
+    """One CPU core's read bandwidth (GB/s): the fastest of the sums made over `seconds` (at least
+    `min_trials`) of the slices of a `mib` MiB array, in turn, each timed by its CPU time."""
     import numpy as np
 
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     a.sum()  # fault the pages in
-    medians = []
-    for n in sorted({1, threads or probe_threads()}):
-        parts = np.array_split(a, n)
-        with ThreadPoolExecutor(n) as pool:
-            medians.append(statistics.median(sum(pool.map(_read_rate, parts)) for _ in range(repeats)))
-    return max(medians)
+    slices = np.array_split(a, PROBE_SLICES)
+    best, k, start = 0.0, 0, time.perf_counter()
+    while k < min_trials or time.perf_counter() - start < seconds:
+        best = max(best, _read_rate(slices[k % len(slices)]))
+        k += 1
+    return best
 
 
 def _machine_id() -> str:
