@@ -3,14 +3,9 @@
 One file per block, named by its block hash, in a directory per model identity:
 
     <cache_dir()>/prefix/<model id>/<block hash hex>.safetensors
-        tensor    kv        uint8 (block bytes,): every pool's rows of the block, in `layout` order
-        metadata  format, model_id, block_hash, token_ids (JSON), layout (JSON), crc32 (of kv)
 
-    layout = [["k.0", [bs, H, Dk], "float32"], ["v.0", [bs, H, Dv], "float32"], ["k.1", ...], ...]
-
-NOTE: each pool's part is token-major, (block_size, n_kv_heads, head_dim), whatever the
-in-memory pool layout is (the pools are head-major slots, macinfer.kv.paged_attention): save
-and load transpose. Changing what a file holds needs a FORMAT bump.
+A file holds the block's K/V of every layer as one tensor of bytes, with its token ids, the
+layout of the pools and a CRC-32 (macinfer.prefix_cache.block_file has the format).
 
 A later process that misses a block in memory finds it here (BlockPool asks
 `num_leading`, then `load`) and copies it into a free block of its pools, so a
@@ -28,10 +23,12 @@ Design choices:
   truncated) is never used: one warning, and the file is deleted. A file of another
   format (an older macinfer's) means the directory holds more: all of them are
   removed, with one warning.
-- A load is a few reads per file and one scatter per pool: each file's bytes are
-  read whole into one buffer (no per-tensor reads) and checksummed in one pass, and
-  the blocks of a request go into the pools together, in chunks of at most
-  CHUNK_BYTES (a 2,000-token prefix of SmolLM2-135M is 125 files, 92 MB).
+- A load is three reads per file and one write per pool: each file's bytes are read
+  whole into one buffer (no per-tensor reads) and checksummed in one pass (CRC-32:
+  it catches every burst of up to 32 flipped bits), and the blocks of a request go
+  into the pools together, in chunks of at most CHUNK_BYTES (a 2,000-token prefix of
+  SmolLM2-135M is 125 files, 92 MB). Per-tensor lazy reads, each evaluated alone, and
+  a BLAKE2 pass per tensor made that prefix load 6x slower than a hit in memory.
 - A process killed mid-write leaves a `.tmp` file; files an hour old are removed when a
   store opens (a live writer's are seconds old).
 - The whole tier (every model's directory under the root) is bounded by
@@ -49,81 +46,17 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from macinfer.prefix_cache.block_file import (FORMAT, BadFile, block_layout, check_tensor, layout_json,
+                                              part_as_slots, read_exactly, read_header, slots_into_part)
 from macinfer.staging import remove_stale
 
-FORMAT = "macinfer-prefix-block/3"  # /3: one tensor of the block's bytes (read whole), a CRC-32 of them
 CHUNK_BYTES = 128 << 20  # a load holds at most this much block data in memory at once (twice: file, MLX)
 MAX_RUNS = 16  # more runs of consecutive blocks than this: one scatter per pool instead
-MAX_HEADER = 1 << 20  # a safetensors header larger than this is not one of ours
-
-
-class BadFile(ValueError):
-    """A block file that must not be used; the message says why."""
-
-
-@dataclass(frozen=True)
-class PoolPart:
-    """Where one pool's rows of a block sit in the block's bytes."""
-
-    name: str  # "k.3", "v.3"
-    offset: int  # bytes
-    shape: tuple[int, int, int]  # (block_size, n_kv_heads, head_dim)
-    dtype: mx.Dtype
-
-    @property
-    def nbytes(self) -> int:
-        bs, h, d = self.shape
-        return bs * h * d * self.dtype.size
-
-
-def block_layout(caches: list, block_size: int) -> list[PoolPart]:
-    """Every pool's part of a block file, k.0 v.0 k.1 v.1 ..., back to back."""
-    parts, offset = [], 0
-    for i, c in enumerate(caches):
-        for kind, pool in (("k", c.k_pool), ("v", c.v_pool)):
-            part = PoolPart(f"{kind}.{i}", offset, (block_size, pool.shape[0], pool.shape[2]), pool.dtype)
-            parts.append(part)
-            offset += part.nbytes
-    return parts
-
-
-def layout_json(parts: list[PoolPart]) -> str:
-    return json.dumps([[p.name, list(p.shape), str(p.dtype).rsplit(".", 1)[-1]] for p in parts])
-
-
-def read_header(f) -> dict:
-    """A safetensors file's header: a little-endian u64 N, then N bytes of JSON (the data follows).
-
-    Raises:
-        BadFile: truncated, or not a safetensors header.
-    """
-    raw = f.read(8)
-    n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-    if not 0 < n <= MAX_HEADER:
-        raise BadFile("unreadable (not a safetensors file)")
-    try:
-        header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError):
-        raise BadFile("unreadable (its header is not JSON)") from None
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise BadFile("unreadable (no metadata)")
-    return header
-
-
-def read_exactly(f, out: memoryview) -> None:
-    """Fill `out` from f (one read for a regular file); BadFile if the file ends first."""
-    got = 0
-    while got < len(out):
-        n = f.readinto(out[got:])
-        if not n:
-            raise BadFile("truncated")
-        got += n
 
 
 def slot_runs(block_ids: list[int], block_size: int) -> list[tuple[int, int, int]]:
@@ -140,25 +73,6 @@ def slot_runs(block_ids: list[int], block_size: int) -> list[tuple[int, int, int
         else:
             runs.append([b * block_size, j * block_size, block_size])
     return [tuple(r) for r in runs]
-
-
-def part_as_slots(buf: np.ndarray, part: PoolPart) -> mx.array:
-    """One pool's part of n blocks' bytes (n, block_bytes) as pool slots (H, n * bs, D), contiguous.
-
-    NOTE: transposed in numpy, as unsigned ints of the dtype's size (bfloat16 has no numpy dtype):
-    MLX's CPU backend copies a strided source slowly (a transposed view written into a slice of the
-    pool took seconds for a 2,000-token prefix).
-    """
-    n, (bs, h, d) = buf.shape[0], part.shape
-    x = buf[:, part.offset: part.offset + part.nbytes].view(f"u{part.dtype.size}").reshape(n, bs, h, d)
-    return mx.array(np.ascontiguousarray(x.transpose(2, 0, 1, 3)).reshape(h, n * bs, d)).view(part.dtype)
-
-
-def slots_into_part(x: np.ndarray, part: PoolPart, out: np.ndarray) -> None:
-    """Write pool slots (H, n * bs, D * itemsize) uint8 into one pool's part of n blocks' bytes `out`."""
-    n, (bs, h, d) = out.shape[0], part.shape
-    blocks = x.view(f"u{part.dtype.size}").reshape(h, n, bs, d).transpose(1, 2, 0, 3)  # (n, bs, H, D)
-    out[:, part.offset: part.offset + part.nbytes].view(f"u{part.dtype.size}").reshape(n, bs, h, d)[...] = blocks
 
 
 class DiskPrefixStore:
@@ -273,10 +187,7 @@ class DiskPrefixStore:
                     self._reject_other_format(name, meta.get("format"))
                     return False
                 self._check(name, meta, token_ids)
-                tensor = header.get("kv")
-                if len(header) != 2 or not isinstance(tensor, dict) or tensor.get("dtype") != "U8" \
-                        or tensor.get("shape") != [self.block_bytes] or tensor.get("data_offsets") != [0, self.block_bytes]:
-                    raise BadFile("unexpected tensors")
+                check_tensor(header, self.block_bytes)
                 if os.fstat(f.fileno()).st_size != f.tell() + self.block_bytes:
                     raise BadFile("truncated, or bytes after its data")
                 read_exactly(f, memoryview(out))  # NOTE: the whole block in one read
