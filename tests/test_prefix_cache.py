@@ -384,8 +384,8 @@ def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="counts read calls with Linux's /proc/self/io")
 def test_a_load_reads_each_file_whole_whatever_the_layers(tmp_path):
     """Loading n blocks issues a few read calls per file (header, then all its bytes), not one per
-    layer's K and V: the kernel's count of this process's read calls is the oracle. (Per-tensor
-    reads made a 2,000-token prefix of SmolLM2, 125 files x 60 tensors, ~7,600 reads and evaluations.)"""
+    layer's K and V: the kernel's count of this process's read calls is the oracle. (Reading tensor
+    by tensor took 62 read calls a file: 7,750 for the 125 files of a 2,000-token SmolLM2 prefix.)"""
     from macinfer.prefix_cache.disk import DiskPrefixStore
 
     def read_calls() -> int:
@@ -399,7 +399,7 @@ def test_a_load_reads_each_file_whole_whatever_the_layers(tmp_path):
     store = DiskPrefixStore(tmp_path / "m", "m", dst, bs, 1 << 30)
     before = read_calls()
     assert store.load(entries) == n
-    assert read_calls() - before <= 3 * n + 2
+    assert read_calls() - before <= 3 * n + 5  # 8-byte length, header, data; + reading the counter
     for s, d in zip(src, dst):  # every block in its slots
         assert mx.array_equal(d.k_pool[:, bs:], s.k_pool[:, bs:]).item()
         assert mx.array_equal(d.v_pool[:, bs:], s.v_pool[:, bs:]).item()
