@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import time
 import warnings
