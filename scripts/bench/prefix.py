@@ -34,7 +34,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,8 +103,6 @@ def ttft(engine: LLMEngine, ids: list[int], max_tokens: int = 1):
 # -- 1 + 2: one process, then another with the persistent tier ------------------------------
 def child(args) -> None:
     """Process 1 (--repeats 0): cold, then warm in memory. Process 2: per fresh engine, from disk then in memory."""
-    import gc
-
     llm = load(args.tiny_path)
     system = system_ids(llm.tokenizer, args.system_tokens)
     # Process 2's in-memory question is one process 1 never saw: none of its blocks is on disk.
@@ -143,8 +143,6 @@ def build_hybrid(directory: str, name: str) -> str:
 
 
 def hybrid_main(args, path: str) -> None:
-    import statistics
-
     import mlx_lm
     from mlx_lm.generate import generate_step
 
@@ -280,8 +278,6 @@ def main() -> None:
 
     print(f"model: {'tiny random llama' if args.tiny else 'SmolLM2-135M float32'}, BLAS {_blas.loaded or 'bundled'}")
     # 1 + 2: two processes sharing a persistent tier.
-    import statistics
-
     with tempfile.TemporaryDirectory() as tmp:
         (a,) = run_child(args, tmp, 0)
         bs = run_child(args, tmp, args.repeats)
