@@ -13,7 +13,8 @@ array (in turn, so none is still in a cache) for 2 s, each sum timed by the thre
 (`time.thread_time`), and the figure is the fastest. Why, measured on a loaded 2-core host
 (docs/platform.md#bandwidth-probe, scripts/bench/bandwidth.py):
 - wall time counts the time a thread waits descheduled: wall-time figures swung 2x and more
-  between runs (16.5 vs 32.2 GB/s; best of 5 over 10 fresh processes: 105-195% apart);
+  between runs (16.5 vs 32.2 GB/s; best of 5 over 10 fresh processes: 105-195% apart, against
+  12-21% for this probe);
 - a neighbour streaming memory lowers even CPU-time rates for seconds at a time, so a median,
   or a short probe, follows the neighbours; the fastest sum of a 2 s probe does not (contention
   only ever slows a sum down);
