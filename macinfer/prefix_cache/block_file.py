@@ -7,7 +7,7 @@
              [["k.0", [bs, H, Dk], "float32"], ["v.0", [bs, H, Dv], "float32"], ...]
 
 NOTE: each part is token-major, (block_size, n_kv_heads, head_dim), whatever the in-memory pool
-layout is (the pools are head-major slots, macinfer.kv.paged_attention): `part_as_slots` and
+layout is (the pools are head-major slots, macinfer.kv.paged_attention): `part_into_pool` and
 `slots_into_part` transpose. Changing what a file holds needs a FORMAT bump.
 
 Files are written with MLX's safetensors writer and read here (the header, then the data in
@@ -98,18 +98,39 @@ def check_tensor(header: dict, block_bytes: int) -> None:
         raise BadFile("unexpected tensors")
 
 
-def part_as_slots(buf: np.ndarray, part: PoolPart) -> mx.array:
-    """One pool's part of n blocks' bytes (n, block_bytes) as pool slots (H, n * bs, D), contiguous.
+def slot_runs(block_ids: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """Runs of consecutive block ids as (first pool slot, first of the blocks' rows, slots).
 
-    NOTE: transposed in numpy, as unsigned ints of the dtype's size (bfloat16 has no numpy dtype),
-    and made contiguous before MLX sees it (docs/platform.md#cpu-strided): the same slice, view,
-    transpose and write in MLX took 0.25-3.3 s for the 60 pools of a 2,000-token SmolLM2 prefix
-    against 0.08-0.16 s this way, and `mx.array` of a row-strided numpy view is ~20x slower than
-    of a contiguous one.
+    Example:
+        >>> slot_runs([4, 5, 6, 9], 16)
+        [(64, 0, 48), (144, 48, 16)]
+    """
+    runs: list[list[int]] = []
+    for j, b in enumerate(block_ids):
+        if runs and b * block_size == runs[-1][0] + runs[-1][2]:
+            runs[-1][2] += block_size
+        else:
+            runs.append([b * block_size, j * block_size, block_size])
+    return [tuple(r) for r in runs]
+
+
+def part_into_pool(buf: np.ndarray, part: PoolPart, pool: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+    """Write one pool's part of n blocks' bytes (n, block_bytes) into the pool's slots, run by run.
+
+    Args:
+        pool: a numpy view (H, slots, D) of the pool's memory, as unsigned ints of its dtype's size.
+        runs: slot_runs of the blocks' ids.
+
+    NOTE: one strided copy per run, numpy from the file's buffer straight into the pool's memory:
+    no MLX array in between (docs/platform.md#cpu-strided: MLX's own slice, view, transpose and
+    write of the same bytes took 0.25-3.3 s for a 2,000-token SmolLM2 prefix, and each new MLX
+    buffer of the size of a pool's part page-faults its way in).
     """
     n, (bs, h, d) = buf.shape[0], part.shape
-    x = buf[:, part.offset: part.offset + part.nbytes].view(f"u{part.dtype.size}").reshape(n, bs, h, d)
-    return mx.array(np.ascontiguousarray(x.transpose(2, 0, 1, 3)).reshape(h, n * bs, d)).view(part.dtype)
+    blocks = buf[:, part.offset: part.offset + part.nbytes].view(f"u{part.dtype.size}").reshape(n, bs, h, d)
+    for first_slot, row, length in runs:
+        dst = pool[:, first_slot: first_slot + length].reshape(h, length // bs, bs, d)  # a view: splits one axis
+        dst[...] = blocks[row // bs: (row + length) // bs].transpose(2, 0, 1, 3)
 
 
 def slots_into_part(x: np.ndarray, part: PoolPart, out: np.ndarray) -> None:

@@ -52,27 +52,12 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.prefix_cache.block_file import (FORMAT, BadFile, block_layout, check_tensor, layout_json,
-                                              part_as_slots, read_exactly, read_header, slots_into_part)
+                                              part_into_pool, read_exactly, read_header, slot_runs,
+                                              slots_into_part)
 from macinfer.staging import remove_stale
 
-CHUNK_BYTES = 128 << 20  # a load holds at most this much block data in memory at once (twice: file, MLX)
-MAX_RUNS = 16  # more runs of consecutive blocks than this: one scatter per pool instead
-
-
-def slot_runs(block_ids: list[int], block_size: int) -> list[tuple[int, int, int]]:
-    """Runs of consecutive block ids as (first pool slot, first row of the blocks' slots, slots).
-
-    Example:
-        >>> slot_runs([4, 5, 6, 9], 16)
-        [(64, 0, 48), (144, 48, 16)]
-    """
-    runs: list[list[int]] = []
-    for j, b in enumerate(block_ids):
-        if runs and b * block_size == runs[-1][0] + runs[-1][2]:
-            runs[-1][2] += block_size
-        else:
-            runs.append([b * block_size, j * block_size, block_size])
-    return [tuple(r) for r in runs]
+CHUNK_BYTES = 128 << 20  # a load holds at most this much block data in memory at once
+UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}  # by item size (numpy has no bfloat16)
 
 
 class DiskPrefixStore:
@@ -241,7 +226,7 @@ class DiskPrefixStore:
         return loaded
 
     def _load_chunk(self, blocks: list[tuple[bytes, list[int], int]]) -> int:
-        """Read the blocks' files into one buffer, then write it into every pool at once."""
+        """Read the blocks' files into one buffer, then copy it into every pool's slots."""
         buf = np.empty((len(blocks), self.block_bytes), dtype=np.uint8)  # (n, block bytes)
         n = 0
         for block_hash, token_ids, _ in blocks:
@@ -251,20 +236,17 @@ class DiskPrefixStore:
             n += 1
         if n == 0:
             return 0
-        block_ids = [b[2] for b in blocks[:n]]
-        runs = slot_runs(block_ids, self.block_size)
-        slots = self._slots(block_ids) if len(runs) > MAX_RUNS else None
-        pools = ((c, attr) for c in self.caches for attr in ("k_pool", "v_pool"))
-        for (c, attr), part in zip(pools, self.layout):
-            x = part_as_slots(buf[:n], part)  # (H, n * bs, D)
-            # NOTE: in-place updates (nothing else holds the pools), evaluated right away. A slice
-            # update per run of consecutive blocks is cheaper than a scatter on MLX's CPU backend.
-            if slots is None:
-                for first_slot, row, length in runs:
-                    getattr(c, attr)[:, first_slot: first_slot + length] = x[:, row: row + length]
-            else:
-                getattr(c, attr)[:, slots] = x
-        mx.eval([c.state for c in self.caches])
+        runs = slot_runs([b[2] for b in blocks[:n]], self.block_size)
+        pools = [pool for c in self.caches for pool in (c.k_pool, c.v_pool)]
+        mx.eval(pools)
+        for pool, part in zip(pools, self.layout):
+            # NOTE: written through a numpy view of the pool's memory, which MLX documents as seen
+            # by the array: the pools are evaluated and nothing evaluates beside this (sync), the
+            # slots belong to free blocks no sequence reads, and the view dies here (a second
+            # holder of a pool's buffer would make MLX's next in-place write copy the pool).
+            view = pool.view(UINT[part.dtype.size])
+            mx.eval(view)
+            part_into_pool(buf[:n], part, np.asarray(view), runs)
         return n
 
     def _slots(self, block_ids: list[int]) -> mx.array:
