@@ -335,6 +335,29 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
     assert cold["token_ids"] == warm["token_ids"] == off["token_ids"]
 
 
+def test_a_corrupt_cache_file_is_one_warning_line_for_a_user(tiny_models, tmp_path):
+    """`macinfer run` meets a damaged block file: one `warning: prefix cache: ...` line on stderr, not
+    Python's warning with a source path and a code line; the reply is the same."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MACINFER_PREFIX_CACHE_DIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "macinfer", "run", str(tiny_models("llama")), "x " * 40, "-n", "4",
+            "--no-chat-template", "--peak-bandwidth", "100"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    block = sorted(tmp_path.glob("*/*.safetensors"))[0]
+    data = bytearray(block.read_bytes())
+    data[-3] ^= 0x40
+    block.write_bytes(bytes(data))
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    warned = [line for line in second.stderr.splitlines() if "prefix cache" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: prefix cache: ignoring "), second.stderr
+    assert "Warning:" not in second.stderr and ".py:" not in second.stderr
+
+
 def pools(H, nb, bs, dims, dtype, seed):
     """One layer's k / v pools (head-major slots) of random values, as a PagedKVCache holds them."""
     from types import SimpleNamespace

@@ -46,6 +46,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from macinfer.errors import MacinferWarning
 from macinfer.paths import cache_dir
 
 # Apple's published unified-memory bandwidth, GB/s, by chip name (after "Apple ").
@@ -240,7 +241,7 @@ def cached_probe(key: str) -> PeakBandwidth | None:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         warnings.warn(f"bandwidth: ignoring {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                      "measuring again", RuntimeWarning, stacklevel=3)
+                      "measuring again", MacinferWarning, stacklevel=3)
         return None
     return PeakBandwidth(gbps, "CPU probe, cached", f"measured {measured}, {path}")
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from macinfer.errors import MacinferWarning
 from macinfer.prefix_cache.block_file import (FORMAT, BadFile, block_layout, check_tensor, layout_json,
                                               part_into_pool, read_exactly, read_header, slot_runs,
                                               slots_into_part)
@@ -135,7 +136,7 @@ class DiskPrefixStore:
 
     def _reject(self, name: str, reason: str) -> None:
         self.num_rejected += 1
-        warnings.warn(f"prefix cache: ignoring {self._path(name)}: {reason}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"prefix cache: ignoring {self._path(name)}: {reason}", MacinferWarning, stacklevel=3)
         self._remove(name)
 
     def _remove(self, name: str) -> None:
@@ -207,7 +208,7 @@ class DiskPrefixStore:
         self.num_rejected += gone
         warnings.warn(f"prefix cache: ignoring {self._path(name)}: not a macinfer prefix block of this version "
                       f"(format {found!r}, this is {FORMAT!r}); removed {gone} such file(s) from {self.directory}",
-                      RuntimeWarning, stacklevel=4)
+                      MacinferWarning, stacklevel=4)
 
     def load(self, blocks: list[tuple[bytes, list[int], int]]) -> int:
         """Copy (hash, token ids, block id) entries into the pools; stop at the first miss or bad file.
@@ -303,7 +304,7 @@ class DiskPrefixStore:
                 self.index[name] = (self._path(name).stat().st_size, time.time_ns())
                 self._nbytes += self.index[name][0]
             except OSError as e:
-                warnings.warn(f"prefix cache: cannot write {self._path(name)} ({e}); not persisting", RuntimeWarning)
+                warnings.warn(f"prefix cache: cannot write {self._path(name)} ({e}); not persisting", MacinferWarning)
                 tmp.unlink(missing_ok=True)
                 return j
         self._enforce_limit()
