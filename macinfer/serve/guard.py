@@ -1,19 +1,23 @@
-"""The server's door: the API key, the body size limit, and OpenAI's error body for every error.
+"""The server's door: the API key, the body size limit, and the error body for every error.
 
 Checked before any route runs or any body is parsed, each refusal counted in the metrics
 (macinfer.serve.metrics). The request bodies' own checks are macinfer.serve.schemas'.
+An error's body is OpenAI's unless the route belongs to another protocol: `shapes` maps a route
+prefix (`/v1/messages`, `/api/`) to that protocol's error body (macinfer.serve.anthropic, .ollama).
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.responses import Response
 
 from macinfer.errors import MacinferError
 from macinfer.serve.metrics import ServerMetrics
@@ -22,6 +26,16 @@ from macinfer.serve.schemas import APIError
 # A request body larger than this is refused (413): a long prompt is a few hundred KB of text, and
 # parsing and tokenising a huge body would take memory and time from every other client.
 MAX_BODY_BYTES = 8 << 20
+
+ErrorShape = Callable[[APIError], Response]  # an APIError as a protocol's error response
+
+
+def shaped(e: APIError, path: str, shapes: dict[str, ErrorShape]) -> Response:
+    """`e` in the error shape of the protocol `path` belongs to (OpenAI's by default)."""
+    for prefix, shape in shapes.items():
+        if path.startswith(prefix):
+            return shape(e)
+    return e.response()
 
 
 def check_api_key(api_key: str | None) -> None:
@@ -42,23 +56,23 @@ class _RequestChecks:
     ran to its end for a client that had gone.
     """
 
-    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool):
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int, health_auth: bool,
+                 shapes: dict[str, ErrorShape]):
         self.app, self.metrics, self.api_key = app, metrics, api_key
-        self.max_body_bytes, self.health_auth = max_body_bytes, health_auth
+        self.max_body_bytes, self.health_auth, self.shapes = max_body_bytes, health_auth, shapes
 
     async def __call__(self, scope, receive, send):
         error = self._refusal(scope) if scope["type"] == "http" else None
         if error is None:
             return await self.app(scope, receive, send)
         self.metrics.errors.labels(str(error.status)).inc()
-        await error.response()(scope, receive, send)
+        await shaped(error, scope["path"], self.shapes)(scope, receive, send)
 
     def _refusal(self, scope) -> APIError | None:
         headers = Headers(scope=scope)
         open_route = scope["path"] == "/health" and not self.health_auth
-        if self.api_key is not None and not open_route and not _authorized(headers.get("authorization", ""),
-                                                                           self.api_key):
-            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+        if self.api_key is not None and not open_route and not _authorized(headers, self.api_key):
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                             None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="macinfer"'})
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > self.max_body_bytes:
@@ -92,28 +106,34 @@ def openai_param(loc) -> str | None:
     return out or None
 
 
-def _authorized(header: str, api_key: str) -> bool:
-    """`Bearer <key>`; the scheme word is case-insensitive (RFC 7235)."""
-    scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+def _authorized(headers: Headers, api_key: str) -> bool:
+    """`Authorization: Bearer <key>` (the scheme word in any case, RFC 7235), or Anthropic's `x-api-key: <key>`."""
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        return True
+    return secrets.compare_digest(headers.get("x-api-key", "").strip().encode(), api_key.encode())
 
 
 def add_error_handling(app: FastAPI, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
-                        health_auth: bool) -> None:
-    """The API key and body size checks, and OpenAI's error body for every error, each counted in the metrics.
+                        health_auth: bool, shapes: dict[str, ErrorShape] | None = None) -> None:
+    """The API key and body size checks, and the error body for every error, each counted in the metrics.
+
+    Args:
+        shapes: {route prefix: the error body of the protocol served there}; other routes get OpenAI's.
 
     NOTE: a body announced larger than the limit by its Content-Length is refused by _RequestChecks,
     before anything is read; Starlette's RequestBodyLimitMiddleware (inside it) counts the bytes of
     the others (chunked bodies) as the route reads them and raises a 413 HTTPException (`http_error`).
     """
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
+    shapes = shapes or {}
     app.add_middleware(_RequestChecks, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
-                       health_auth=health_auth)  # added last: runs first
+                       health_auth=health_auth, shapes=shapes)  # added last: runs first
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         metrics.errors.labels(str(e.status)).inc()
-        return e.response()
+        return shaped(e, request.url.path, shapes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):

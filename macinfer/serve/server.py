@@ -41,8 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, prepare
+from macinfer.serve import anthropic, ollama, ollama_models, responses
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
+from macinfer.serve.generation import check_queue, close_streams, next_or_disconnect
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
 from macinfer.serve.images import has_images, image_messages
 from macinfer.errors import InvalidGrammar, MacinferError
@@ -50,6 +52,7 @@ from macinfer.core.sampling import SamplingParams
 from macinfer.core.sampling_params import MAX_TOP_LOGPROBS
 from macinfer.serve.metrics import ServerMetrics
 from macinfer.serve.model_pool import ModelPool, PoolOptions, ServedModel
+from macinfer.serve.response_store import ResponseStore
 from macinfer.serve.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -149,14 +152,6 @@ class Server:
         except MacinferError as e:
             raise APIError(400, str(e), "prompt") from None
 
-    def _check_queue(self, engine: AsyncEngine) -> None:
-        """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
-        waiting = engine.num_active - engine.engine.max_num_seqs
-        if waiting >= self.max_queue:
-            raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
-                                "--max-queue): retry later", None, "queue_full", "server_error",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-
     # -- responses -----------------------------------------------------------------------
     @staticmethod
     def _usage(choices: list[Choice]) -> dict:
@@ -206,26 +201,26 @@ class Server:
         ids = prepared.prompt_ids if chat else await asyncio.to_thread(self.completion_prompt, llm, req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         params = self._params(m, req, len(ids), max_tokens, chat, prepared.params.structured if chat else None)
-        self._check_queue(m.engine)
+        check_queue(m.engine, self.max_queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(i, chat, llm.tokenizer, params.logprobs is not None, req.return_token_ids,
                           prepared.new_parser() if chat else None) for i in range(req.n)]
         streams = self._start(m.engine, ids, params, rid, req.n, prepared.mm if chat else None)
         try:
             # Wait for the engine to accept them (and for a first token) before committing to a 200.
-            firsts = [await _next_or_disconnect(s, http) for s in streams]
+            firsts = [await next_or_disconnect(s, http) for s in streams]
         except EngineDeadError as e:
-            await _close(streams)
+            await close_streams(streams)
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
         except InvalidGrammar as e:
-            await _close(streams)
+            await close_streams(streams)
             field = _grammar_field(req)
             raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
         except (MacinferError, ValueError) as e:
-            await _close(streams)
+            await close_streams(streams)
             raise APIError(400, str(e), None, "invalid_request") from None
         if any(f is None for f in firsts):  # the client left during the prefill
-            await _close(streams)
+            await close_streams(streams)
             return PlainTextResponse("", status_code=499)
         kind = "chat.completion" if chat else "text_completion"
         if req.stream:
@@ -237,9 +232,9 @@ class Server:
             d = first
             choice.add(d)
             while d.finish_reason is None:
-                d = await _next_or_disconnect(stream, http)
+                d = await next_or_disconnect(stream, http)
                 if d is None:
-                    await _close(streams)
+                    await close_streams(streams)
                     return PlainTextResponse("", status_code=499)
                 choice.add(d)
         outs = [c.output for c in choices]
@@ -275,7 +270,7 @@ class Server:
                 self.metrics.observe_request(out, "chat" if chat else "completions", model)
         finally:
             await deltas.aclose()
-            await _close(streams)  # aborts the requests still running (client left)
+            await close_streams(streams)  # aborts the requests still running (client left)
 
 
 def _logprobs(req: RequestBase, chat: bool) -> int | None:
@@ -339,42 +334,14 @@ async def _merged(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any]]
                 await t
 
 
-async def _close(streams: list) -> None:
-    for s in streams:
-        await s.aclose()
-
-
-async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
-    """The next delta, or None if the client disconnects first (the request is then aborted)."""
-    task = asyncio.ensure_future(deltas.__anext__())
-    try:
-        while True:
-            # NOTE: checked before every wait, not only after `poll` seconds without a delta: a
-            # non-streaming request decoding steadily never waits that long, and used to run to
-            # its end for a client that had gone.
-            if await http.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                await deltas.aclose()
-                return None
-            done, _ = await asyncio.wait({task}, timeout=poll)
-            if done:
-                return task.result()
-    except asyncio.CancelledError:
-        task.cancel()
-        await deltas.aclose()
-        raise
-
-
 # Requests waiting for a place in the batch (beyond max_num_seqs running) at most; more get a 429.
 MAX_QUEUE = 256
-RETRY_AFTER_SECONDS = 1
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
-               lenient: bool = False, models: PoolOptions | None = None, allow_remote_images: bool = False) -> FastAPI:
+               lenient: bool = False, models: PoolOptions | None = None, allow_remote_images: bool = False,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM), and with `models` others.
 
     Args:
@@ -389,6 +356,7 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         lenient: accept and ignore unknown request fields (default: a 400 naming the field).
         health_auth: /health requires the API key too (by default it is open, for load balancers).
         allow_remote_images: image content parts may name http(s) URLs, fetched by the server.
+        response_store: where /v1/responses keeps stored responses (default: in memory, the last 1,000).
 
     Raises:
         MacinferError: an empty api_key.
@@ -410,17 +378,24 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
     pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
     metrics.attach_pool(pool)
     server = Server(pool, metrics, max_queue=max_queue, lenient=lenient, allow_remote_images=allow_remote_images)
+    keep_alive = ollama_models.KeepAlive(pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         pool.start()
         yield
+        keep_alive.shutdown()
         pool.shutdown()
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
+    add_error_handling(app, metrics, api_key, max_body_bytes, health_auth, shapes=ERROR_SHAPES)
     _add_routes(app, server)
+    # The other protocols, each a thin adapter over the same request path (macinfer.serve.generation).
+    responses.add_routes(app, server, response_store or ResponseStore(None))
+    anthropic.add_routes(app, server)
+    ollama.add_routes(app, server, keep_alive)
+    ollama_models.add_routes(app, server, keep_alive)
     return app
 
 
@@ -431,6 +406,10 @@ def _grammar_field(req: RequestBase) -> str:
         if value is not None and not (name == "response_format" and value.type == "text"):
             return name
     return "tool_choice"
+
+
+# Route prefix -> the error body of the protocol served there (OpenAI's elsewhere, /v1/responses included).
+ERROR_SHAPES = {"/v1/messages": anthropic.error_response, "/api/": ollama.error_response}
 
 
 def _load_prepared(load, spec: str):
