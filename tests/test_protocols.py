@@ -11,6 +11,7 @@ to the tool's schema by the grammar (jsonschema checks it).
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx2 as httpx
@@ -18,6 +19,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from families import build_family_model
 from oracle import mlx_lm_greedy, mlx_lm_load
 
 from macinfer.llm import LLM
@@ -296,8 +298,6 @@ def test_ollama_models_list_show_ps_version_and_keep_alive(served):
 
 
 def _wait_for(cond, seconds: float = 30) -> None:
-    import time
-
     deadline = time.monotonic() + seconds
     while not cond():
         assert time.monotonic() < deadline, "timed out"
@@ -388,3 +388,53 @@ def test_metrics_label_requests_by_protocol(served):
     for protocol, endpoint in (("responses", "responses"), ("anthropic", "messages"), ("ollama", "api/chat")):
         assert any(line.startswith(f'macinfer_requests_total{{endpoint="{endpoint}",') and
                    f'protocol="{protocol}"' in line for line in page), protocol
+
+
+# -- thinking: the thought apart from the answer, as each protocol carries it -------------------------
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """(url, seed, thought, answer) of the tiny DeepSeek-R1-Distill (its template opens the thought in
+    the prompt): a seed whose reply closes the thought and then answers, found through chat completions."""
+    path = build_family_model(tmp_path_factory.mktemp("r1"), "r1_distill")
+    with serve_in_thread(create_app(LLM(str(path), num_blocks=257), model_name=MODEL)) as url:
+        for seed in range(200):
+            r = oai(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=40, temperature=1.0, seed=seed)
+            m = r.choices[0].message
+            if m.model_extra.get("reasoning_content") and (m.content or "").strip():
+                yield url, seed, m.model_extra["reasoning_content"], m.content
+                return
+        raise AssertionError("no seed in 200 closes the thought")
+
+
+def test_the_thought_through_each_protocol(thinker):
+    url, seed, thought, answer = thinker
+    messages = [{"role": "user", "content": PROMPT}]
+    r = oai(url).responses.create(model=MODEL, input=PROMPT, max_output_tokens=40, temperature=1.0,
+                                  reasoning={"effort": "medium", "summary": "auto"}, extra_body={"seed": seed})
+    (item,) = [i for i in r.output if i.type == "reasoning"]
+    assert (item.content[0].text, item.summary[0].text, r.output_text) == (thought, thought, answer)
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(oai(url).responses.create(model=MODEL, input=PROMPT, max_output_tokens=40, temperature=1.0,
+                                            stream=True, extra_body={"seed": seed}))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+
+    body = dict(model=MODEL, max_tokens=40, messages=messages, thinking={"type": "enabled", "budget_tokens": 1024},
+                extra_body={"temperature": 1.0, "seed": seed})
+    m = claude(url).messages.create(**body)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == \
+        [("thinking", thought), ("text", answer)]
+    with claude(url).messages.stream(**body) as s:
+        assert [b.type for b in s.get_final_message().content] == ["thinking", "text"]
+
+    options = {"temperature": 1.0, "seed": seed, "num_predict": 40, "top_k": 0, "top_p": 1}
+    o = llama(url).chat(model=MODEL, messages=messages, think=True, options=options)
+    assert (o.message.thinking, o.message.content) == (thought, answer)
+    parts = list(llama(url).chat(model=MODEL, messages=messages, think=True, options=options, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == thought
+
+
+def test_think_on_a_model_that_does_not_think_is_refused(served):
+    with pytest.raises(ollama.ResponseError) as e:
+        llama(served[0]).chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], think=True)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error

@@ -90,6 +90,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None
+    seed: int | None = None  # an extension, as vLLM's: reproducible sampling
     stream: bool = False
 
 
@@ -235,7 +236,7 @@ def output_config(config: dict | None) -> tuple[dict | None, str | None]:
 
 def sampling(req: MessagesRequest) -> dict:
     return {"temperature": 1.0 if req.temperature is None else req.temperature, "top_p": req.top_p,
-            "top_k": req.top_k, "max_tokens": req.max_tokens, "stop": req.stop_sequences}
+            "top_k": req.top_k, "seed": req.seed, "max_tokens": req.max_tokens, "stop": req.stop_sequences}
 
 
 # -- the reply -----------------------------------------------------------------------------------
