@@ -11,7 +11,9 @@ to the tool's schema by the grammar (jsonschema checks it).
 from __future__ import annotations
 
 import json
+import threading
 import time
+from pathlib import Path
 
 import anthropic
 import httpx2 as httpx
@@ -176,6 +178,24 @@ def test_stored_responses_are_bounded_and_survive_a_restart(tmp_path):
     assert not memory.persistent and memory.get(ids[0]) is not None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_in_responses_and_anthropic(served, stream):
+    url = served[0]
+    # room for the most whitespace the grammar allows: it ends the reply once the JSON is whole
+    kw = dict(model=MODEL, input="Which city? Answer in JSON.", max_output_tokens=200, temperature=0.7,
+              text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+              extra_body={"seed": 1})
+    if stream:
+        text = "".join(e.delta for e in oai(url).responses.create(stream=True, **kw)
+                       if e.type == "response.output_text.delta")
+    else:
+        text = oai(url).responses.create(**kw).output_text
+    jsonschema.validate(json.loads(text), CITY)
+    m = claude(url).messages.create(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Which city?"}],
+                                    output_config={"format": {"type": "json_schema", "schema": CITY}})
+    jsonschema.validate(json.loads(m.content[0].text), CITY)
+
+
 # -- Anthropic Messages ----------------------------------------------------------------------------
 def test_anthropic_messages_create_and_stream(served):
     url, path, _ = served
@@ -268,7 +288,7 @@ def test_ollama_chat_and_generate_streamed_and_not(served):
 def test_ollama_chat_format_as_a_schema(served, stream):
     url = served[0]
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Which city? Answer in JSON."}], format=CITY,
-              options={"temperature": 0.7, "seed": 3, "num_predict": 60})
+              options={"temperature": 0.7, "seed": 3, "num_predict": 200})
     if stream:
         text = "".join(p.message.content for p in llama(url).chat(stream=True, **kw))
     else:
@@ -302,6 +322,45 @@ def _wait_for(cond, seconds: float = 30) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_ollama_pull_streams_its_progress_and_delete_removes(served, monkeypatch, tmp_path):
+    """macinfer's pull over a stand-in for the hub that holds the download until the test has read
+    a progress line with the bytes on disk so far; then /api/delete removes the model."""
+    import huggingface_hub
+    from test_models_cli import add_hf_repo
+
+    url, path, _ = served
+    hub, repo = tmp_path / "hub", "mlx-community/Tiny-Llama"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    release = threading.Event()
+
+    def snapshot_download(repo_id, *, allow_patterns=None, cache_dir=None, dry_run=False, **kw):
+        if dry_run:
+            return [type("File", (), {"filename": f.name})() for f in path.iterdir()]
+        if allow_patterns != ["config.json"]:
+            partial = Path(cache_dir) / ("models--" + repo_id.replace("/", "--")) / "blobs" / "x.incomplete"
+            partial.write_bytes(b"w" * 1000)
+            release.wait(60)
+            partial.unlink()
+        return str(add_hf_repo(Path(cache_dir), repo_id, path, allow_patterns))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    lines = []
+    with httpx.stream("POST", url + "/api/pull", json={"model": repo}, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(json.loads(line))
+            if lines[-1].get("completed"):
+                release.set()
+    assert lines[0] == {"status": "pulling manifest"} and lines[-1] == {"status": "success"}
+    assert any(x.get("completed", 0) >= 1000 for x in lines)
+    assert (hub / "models--mlx-community--Tiny-Llama" / "snapshots").is_dir()
+    assert llama(url).delete(repo).status == "success"
+    assert not (hub / "models--mlx-community--Tiny-Llama").exists()
+    with pytest.raises(ollama.ResponseError) as e:
+        llama(url).delete(repo)
+    assert e.value.status_code == 404
 
 
 def test_ollama_pull_delete_and_what_is_not_served(served):
