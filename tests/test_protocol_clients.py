@@ -105,3 +105,36 @@ def test_one_prompt_reads_the_same_through_all_four_protocols(url):
         texts = list(pool.map(lambda case: case[0](case[1]), cases))
     assert texts[0].strip() and all(t == texts[0] for t in texts), dict(zip([f"{f.__name__}/{s}" for f, s in cases],
                                                                            texts))
+
+
+
+def test_ollama_tools_a_call_and_its_result_streamed_and_not(url):
+    """Ollama has no tool_choice: SmolLM2, shown an earlier call and its result (sent as Ollama sends
+    them: arguments as an object, a `tool` message naming the tool), calls the tool for the next
+    city by itself, in the generic format. The conversation renders the prompt chat completions
+    renders for it."""
+    c = ollama.Client(host=url, timeout=300)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                 "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "content": "22 C and sunny", "tool_name": "get_weather"},
+               {"role": "assistant", "content": "It is 22 C and sunny in Paris."},
+               {"role": "user", "content": "And in Rome?"}]
+    options = {"temperature": 0, "num_predict": 40}
+    r = c.chat(model=MODEL, messages=history, tools=tools, options=options)
+    (call,) = r.message.tool_calls
+    assert (call.function.name, call.function.arguments, r.done_reason) == ("get_weather", {"city": "Rome"}, "stop")
+    parts = list(c.chat(model=MODEL, messages=history, tools=tools, options=options, stream=True))
+    assert [tc.function.arguments for p in parts for tc in p.message.tool_calls or []] == [{"city": "Rome"}]
+
+    as_chat = [dict(m) for m in history]
+    as_chat[1] = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1_0", "type": "function",  # the id Ollama's call gets here: call_<message>_<call>
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    as_chat[2] = {"role": "tool", "tool_call_id": "call_1_0", "content": "22 C and sunny"}
+    want = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300).chat.completions.create(
+        model=MODEL, messages=as_chat, tools=tools, max_tokens=1, temperature=0)
+    assert r.prompt_eval_count == want.usage.prompt_tokens
