@@ -27,6 +27,8 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+from macinfer.errors import MacinferError
+
 log = logging.getLogger("macinfer.serve.server")
 
 VERSION = 1
@@ -40,6 +42,9 @@ class ResponseStore:
     Args:
         directory: where the records are kept (created if need be); None: in memory only.
         limit: records kept at most (the oldest are dropped first); 0: none.
+
+    Raises:
+        MacinferError: the directory cannot be made or read.
     """
 
     def __init__(self, directory: Path | None, limit: int = MAX_STORED):
@@ -49,16 +54,21 @@ class ResponseStore:
         # Oldest first. NOTE: on disk a record is read when asked for (None here), so memory stays
         # small whatever the limit; in memory it is the record itself.
         self._ids: OrderedDict[str, dict | None] = OrderedDict()
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            files = sorted(directory.glob("resp_*.json"), key=lambda p: p.stat().st_mtime)
+        if directory is not None and limit > 0:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                files = sorted(directory.glob("resp_*.json"), key=lambda p: p.stat().st_mtime)
+            except OSError as e:
+                raise MacinferError(f"cannot keep stored responses in {directory} ({e.strerror or e}): make it "
+                                    "writable, or keep none (--max-stored-responses 0)") from None
             for p in files:
                 self._ids[p.stem] = None
             self._trim()
 
     @property
     def persistent(self) -> bool:
-        return self.directory is not None
+        """Stored responses survive a restart."""
+        return self.directory is not None and self.limit > 0
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -73,8 +83,13 @@ class ResponseStore:
         if self.directory is not None:
             path = self._path(rid)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record, ensure_ascii=False))
-            os.replace(tmp, path)
+            try:
+                tmp.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+                os.replace(tmp, path)
+            except OSError as e:  # a full disk: this response is not kept; the server serves on
+                log.warning("could not store response %s (%s)", rid, e.strerror or e)
+                tmp.unlink(missing_ok=True)
+                return
         self._ids.pop(rid, None)
         self._ids[rid] = None if self.directory is not None else record
         self._trim()
@@ -99,7 +114,7 @@ class ResponseStore:
 
     def _read(self, rid: str) -> dict | None:
         try:
-            record = json.loads(self._path(rid).read_text())
+            record = json.loads(self._path(rid).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             log.warning("stored response %s is unreadable (%s): dropped", rid, type(e).__name__)
             self._path(rid).unlink(missing_ok=True)
