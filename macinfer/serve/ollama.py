@@ -343,7 +343,7 @@ class OllamaReplies:
         seconds = keep_alive_seconds(req.keep_alive)
         async with held(self.server.pool, await resolve(self.server.pool, req.model)) as m:
             pass
-        reason = "unload" if seconds == 0 else "load"
+        reason = "unload" if seconds == 0 and not m.pinned else "load"  # the default model stays loaded
         self.keep_alive.set(m, seconds)
         body = Reply(req.model, chat).piece(done=True)
         return body | {"done_reason": reason}

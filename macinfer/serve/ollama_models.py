@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from macinfer import __version__
 from macinfer.chat.reasoning import thinking_of
 from macinfer.errors import MacinferError
+from macinfer.modelio.gguf import REPORT as GGUF_REPORT
 from macinfer.modelio.loader import REPO_ID
 from macinfer.modelio.model_files import fmt_params
 from macinfer.modelio.registry import find_model, hf_hub_cache, read_catalog
@@ -126,7 +127,7 @@ def describe(m: ServedModel) -> dict:
         info = m.llm.info
         d = {"family": info.model_type, "parameters": info.num_params, "quantization": info.quantization,
              "size": m.nbytes or info.weight_bytes, "context": info.context_length, "path": info.path,
-             "gguf": "gguf" in json.dumps(info.extra, default=str).lower()}
+             "gguf": _from_gguf(info.path)}
     else:  # from the disk, without loading it
         try:
             lm = find_model(m.spec)
@@ -135,10 +136,15 @@ def describe(m: ServedModel) -> dict:
         d = {"family": lm and lm.architecture, "parameters": lm and lm.num_params,
              "quantization": lm and lm.quantization, "size": lm and lm.size_bytes,
              "context": m.context_length or (lm and lm.context_length), "path": lm and lm.path,
-             "gguf": bool(lm and lm.path and str(lm.path).endswith(".gguf"))}
+             "gguf": _from_gguf(lm and lm.path)}
     path = Path(d["path"]) if d["path"] else None
     d["modified"] = path.stat().st_mtime if path is not None and path.exists() else time.time()
     return d
+
+
+def _from_gguf(path) -> bool:
+    """A .gguf file, or macinfer's conversion of one (its directory holds the conversion's report)."""
+    return path is not None and (str(path).endswith(".gguf") or (Path(path) / GGUF_REPORT).is_file())
 
 
 def details(d: dict) -> dict:
