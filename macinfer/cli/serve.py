@@ -49,8 +49,7 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
               max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, allow_remote_images,
-              max_stored_responses,
-              log_level, engine, parallel, micro_batches):
+              max_stored_responses, log_level, engine, parallel, micro_batches):
     """Serve MODEL over OpenAI's, Anthropic's and Ollama's HTTP APIs with continuous batching.
 
     \b
@@ -74,8 +73,8 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     is a 400 naming it, unless --lenient. With --api-key, every route but
     /health needs the key (--health-auth: /health too). Bodies over 8 MiB get 413;
     beyond --max-queue waiting requests, 429 with Retry-After. A vision-language
-    model takes image_url content parts: data URLs and paths on this host
-    (--allow-remote-images: http(s) URLs too).
+    model takes image_url content parts on /v1/chat/completions: data URLs and
+    paths on this host (--allow-remote-images: http(s) URLs too).
 
     Several models: each --model, and any model `macinfer ls` lists, is loaded on
     the first request naming it ("model"); GET /v1/models lists them all, each

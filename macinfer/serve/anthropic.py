@@ -257,7 +257,8 @@ class ContentBlocks:
         if isinstance(event, ToolCallStart):
             return self._close() + self._opened({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
         if isinstance(event, ToolCallDelta):
-            return [self._event("content_block_delta", delta={"type": "input_json_delta", "partial_json": event.arguments})]
+            delta = {"type": "input_json_delta", "partial_json": event.arguments}
+            return [self._event("content_block_delta", delta=delta)]
         if isinstance(event, ToolCallEnd):
             try:
                 self._open["input"] = json.loads(event.arguments) if event.arguments.strip() else {}

@@ -32,7 +32,7 @@ from macinfer.chat.events import Finish
 from macinfer.chat.output import OutputParser
 from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, prepare
 from macinfer.core.sampling_params import SamplingParams
-from macinfer.errors import MacinferError
+from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.model_pool import ModelPool, ServedModel
 from macinfer.serve.schemas import APIError
@@ -60,8 +60,9 @@ async def held(pool: ModelPool, name: str | None) -> AsyncIterator[ServedModel]:
 
 
 def no_images(param: str) -> APIError:
-    """The one refusal of an image (or other media) part, in any protocol, until vision is served."""
-    return APIError(400, f"{param}: images are not supported yet (this server runs text-only models): send text",
+    """The one refusal of an image (or other media) part on the protocols that do not take them yet
+    (chat completions does: macinfer.serve.images)."""
+    return APIError(400, f"{param}: images are not supported on this API yet: send them to /v1/chat/completions",
                     param, "unsupported_content")
 
 
@@ -180,6 +181,10 @@ class Generation:
             except EngineDeadError as e:
                 await stream.aclose()
                 raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+            except InvalidGrammar as e:  # a schema admitting no reply, found when the engine compiled it
+                await stream.aclose()
+                field = "tool_choice" if chat is not None and chat.response_format is None else "response_format"
+                raise renamed(APIError(400, f"{field}: {e}", field, "invalid_value"), names) from None
             except (MacinferError, ValueError) as e:
                 await stream.aclose()
                 raise APIError(400, str(e), None, "invalid_request") from None

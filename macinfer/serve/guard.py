@@ -72,8 +72,9 @@ class _RequestChecks:
         headers = Headers(scope=scope)
         open_route = scope["path"] == "/health" and not self.health_auth
         if self.api_key is not None and not open_route and not _authorized(headers, self.api_key):
-            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                            None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="macinfer"'})
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                 "(or 'x-api-key: <key>')", None, "invalid_api_key",
+                            headers={"WWW-Authenticate": 'Bearer realm="macinfer"'})
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > self.max_body_bytes:
             return _too_large(self.max_body_bytes)

@@ -18,7 +18,8 @@ are macinfer.serve.ollama_models'.
 Replies stream as NDJSON (`stream` is true unless false is sent, as Ollama's): one object per
 delta (`message.content` / `message.thinking`, `response` / `thinking`; a tool call whole once
 parsed), then one with `done: true`, `done_reason` and the token counts and durations. Errors
-are Ollama's body, {"error": "..."} (`error_response`). Images are refused (no vision yet).
+are Ollama's body, {"error": "..."} (`error_response`). Images are refused for now
+(macinfer.serve.generation.no_images).
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class GenerateBody(ReplyRequest):
 
 
 def check_supported(req: ReplyRequest) -> None:
-    refused = [(bool(req.logprobs) or bool(req.top_logprobs), "logprobs", "logprobs are not supported on the Ollama API "
-                "here: use /v1/chat/completions"),
+    refused = [(bool(req.logprobs) or bool(req.top_logprobs), "logprobs",
+                "logprobs are not supported on the Ollama API here: use /v1/chat/completions"),
                (bool(getattr(req, "suffix", None)), "suffix", "suffix (fill-in-the-middle) is not supported"),
                (bool(getattr(req, "template", None)), "template", "a custom template is not supported: macinfer "
                 "renders the model's own chat template (send raw: true with the prompt formatted)"),
@@ -315,8 +316,9 @@ class OllamaReplies:
         check_supported(req)
         seconds = keep_alive_seconds(req.keep_alive)
         name = await resolve(self.server.pool, req.model)
-        gen = await Generation.start(self.server, http, name, route, sampling=sampling(req.options, self.server.lenient),
-                                     names=NAMES, check=lambda m: _check_think(m, req.think), **what)
+        gen = await Generation.start(self.server, http, name, route, names=NAMES,
+                                     sampling=sampling(req.options, self.server.lenient),
+                                     check=lambda m: _check_think(m, req.think), **what)
         if gen is None:
             return PlainTextResponse("", status_code=499)
         reply = Reply(req.model, chat=route.endpoint == "api/chat")

@@ -79,8 +79,8 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's ranges
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = None  # OpenAI's ranges: checked by SamplingParams, as for chat completions
+    top_p: float | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None

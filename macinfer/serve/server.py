@@ -1,7 +1,9 @@
 """`macinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine loop.
 
 Routes: POST /v1/chat/completions and /v1/completions (server-sent events when
-`stream` is true), GET /v1/models, /health and /metrics (Prometheus text).
+`stream` is true), GET /v1/models, /health and /metrics (Prometheus text). The other protocols'
+routes (OpenAI Responses, Anthropic Messages, Ollama) are their adapters' (macinfer.serve.responses,
+.anthropic, .ollama, .ollama_models), each over the same request path (macinfer.serve.generation).
 
 Design choices:
 - Every request goes through its model's AsyncEngine, so concurrent clients of a model share
