@@ -173,6 +173,9 @@ def test_stored_responses_are_bounded_and_survive_a_restart(tmp_path):
     (tmp_path / f"{ids[1]}.json").write_text("{not json")
     assert ResponseStore(tmp_path, limit=2).get(ids[1]) is None  # unreadable: dropped, never half-read
     assert ResponseStore(tmp_path).get("../etc/passwd") is None
+    other, rid = ResponseStore(tmp_path, limit=2), f"resp_{9:032x}"  # a second server on the same directory
+    again.put(rid, {"response": {"n": 9}, "messages": []})
+    assert other.get(rid)["response"] == {"n": 9}
     memory = ResponseStore(None, limit=1)
     memory.put(ids[0], {"response": {}, "messages": []})
     assert not memory.persistent and memory.get(ids[0]) is not None
@@ -306,6 +309,7 @@ def test_ollama_models_list_show_ps_version_and_keep_alive(served):
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     assert [m.model for m in c.ps().models] == ["tiny:latest"]
     assert httpx.get(url + "/api/version").json()["version"]
+    assert httpx.head(url + "/").status_code == 200 and httpx.get(url + "/").text == "Ollama is running"
 
     c.generate(model="other", prompt="hi", options={"num_predict": 2})  # loads it
     assert [m.model for m in c.ps().models] == ["tiny:latest", "other:latest"]

@@ -28,7 +28,6 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
-from macinfer.chat.events import Finish
 from macinfer.chat.output import OutputParser
 from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, prepare
 from macinfer.core.sampling_params import SamplingParams
@@ -129,7 +128,7 @@ class Generation:
     """One reply running on its model's engine; `events()` reads it (once).
 
     After the events end, `output` is the engine's RequestOutput (None: the client left first,
-    and the request was aborted) and `finish` the parser's Finish event.
+    and the request was aborted).
     """
 
     def __init__(self, server, http: Request, route: Route, m: ServedModel, prompt_ids: list[int],
@@ -138,7 +137,6 @@ class Generation:
         self.model, self.prompt_ids, self.params, self.parser = m, prompt_ids, params, parser
         self._stream, self._first = stream, first
         self.output = None
-        self.finish = None
 
     @classmethod
     async def start(cls, server, http: Request, model: str | None, route: Route, *, chat: ChatRequest | None = None,
@@ -176,21 +174,9 @@ class Generation:
             params = sampling_params(m, len(ids), sampling, structured, names)
             check_queue(m.engine, server.max_queue)
             stream = m.engine.generate(ids, params, request_id=f"{route.protocol}-{uuid.uuid4().hex[:24]}")
-            try:
-                first = await next_or_disconnect(stream, http)
-            except EngineDeadError as e:
-                await stream.aclose()
-                raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
-            except InvalidGrammar as e:  # a schema admitting no reply, found when the engine compiled it
-                await stream.aclose()
-                field = "tool_choice" if chat is not None and chat.response_format is None else "response_format"
-                raise renamed(APIError(400, f"{field}: {e}", field, "invalid_value"), names) from None
-            except (MacinferError, ValueError) as e:
-                await stream.aclose()
-                raise APIError(400, str(e), None, "invalid_request") from None
-            if first is None:
-                return None
-            return cls(server, http, route, m, ids, params, parser, stream, first)
+            grammar = "tool_choice" if chat is not None and chat.response_format is None else "response_format"
+            first = await _first_delta(stream, http, names.get(grammar, grammar))
+            return None if first is None else cls(server, http, route, m, ids, params, parser, stream, first)
 
     async def events(self, watch_disconnect: bool = True) -> AsyncIterator[Any]:
         """The reply's events as the engine makes them; Finish last.
@@ -203,8 +189,6 @@ class Generation:
         try:
             while True:
                 for event in self.parser.feed(d):
-                    if isinstance(event, Finish):
-                        self.finish = event
                     yield event
                 if d.finish_reason is not None:
                     break
@@ -217,8 +201,24 @@ class Generation:
         finally:
             await self._stream.aclose()  # aborts the request if it is still running (the client left)
 
-    async def close(self) -> None:
-        await self._stream.aclose()
+
+async def _first_delta(stream, http: Request, grammar_field: str):
+    """The engine's first delta (None: the client left first); what the engine refused as an APIError.
+
+    Args:
+        grammar_field: the request's field that carried its grammar, for a grammar the engine refuses.
+    """
+    try:
+        return await next_or_disconnect(stream, http)
+    except EngineDeadError as e:
+        await stream.aclose()
+        raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+    except InvalidGrammar as e:  # a schema admitting no reply, found when the engine compiled it
+        await stream.aclose()
+        raise APIError(400, f"{grammar_field}: {e}", grammar_field, "invalid_value") from None
+    except (MacinferError, ValueError) as e:
+        await stream.aclose()
+        raise APIError(400, str(e), None, "invalid_request") from None
 
 
 def _encoded(llm, prompt: str, names: dict[str, str]) -> list[int]:

@@ -1,5 +1,6 @@
 """Ollama's API, the models: `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`,
-`POST /api/pull`, `DELETE /api/delete`; `/api/embed` and the others macinfer does not do answer 501.
+`POST /api/pull`, `DELETE /api/delete`, and `GET` / `HEAD /` (its clients' liveness check);
+`/api/embed` and the others macinfer does not do answer 501.
 
 - Names: a model is listed as Ollama lists one, `NAME:latest` when its name has no tag, and a
   request may name it either way (`resolve`).
@@ -22,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from macinfer import __version__
@@ -311,6 +312,10 @@ def add_routes(app: FastAPI, server, keep_alive: KeepAlive) -> None:
     @app.get("/api/version")
     async def version():
         return {"version": OLLAMA_VERSION, "macinfer": __version__}
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def index():  # the liveness check of Ollama's CLI and clients (HEAD /), and its text
+        return PlainTextResponse("Ollama is running")
 
     @app.post("/api/show")
     async def show(body: ModelRequest):

@@ -96,11 +96,17 @@ class ResponseStore:
 
     def get(self, rid: str) -> dict | None:
         """The record stored under `rid`, or None (unknown, dropped, or its file unreadable)."""
-        if not ID.fullmatch(rid) or rid not in self._ids:
+        if not ID.fullmatch(rid):
             return None
-        record = self._ids[rid] if self.directory is None else self._read(rid)
+        if rid not in self._ids:
+            # another server on the same directory may have stored it since this one started
+            if self.directory is None or self.limit == 0 or not self._path(rid).is_file():
+                return None
+            self._ids[rid] = None
+            self._trim()
+        record = self._ids.get(rid) if self.directory is None else self._read(rid)
         if record is None:
-            del self._ids[rid]
+            self._ids.pop(rid, None)
         return record
 
     def delete(self, rid: str) -> bool:
