@@ -386,7 +386,7 @@ def test_ollama_pull_delete_and_what_is_not_served(served):
     assert e.value.status_code == 501 and "embeddings" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         c.chat(model=MODEL, messages=[{"role": "user", "content": "what is this?", "images": [b"\x89PNG"]}])
-    assert e.value.status_code == 400 and "images are not supported" in e.value.error
+    assert e.value.status_code == 400 and "does not take images" in e.value.error
 
 
 # -- errors: each protocol's shape, and the server serves on ----------------------------------------

@@ -169,3 +169,80 @@ async def test_chat_image_attaches_shows_and_saves_the_picture(vision, tmp_path)
         await send(pilot, f"/load {saved}")
         await wait_for(pilot, lambda: any("[image: image0.png]" in str(w.render()) for w in app.chat.query(".user")),
                        what="the loaded turn")
+
+
+# -- images through the other protocols: Responses' input_image, Anthropic's image blocks, Ollama's images --
+def _until_eos(llm, tokens: list[int]) -> str:
+    eos = set(llm.engine.eos_token_ids)
+    return llm.tokenizer.decode(tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))])
+
+
+def test_each_protocol_sends_an_image_and_gets_mlx_vlm_s_answer(vision, served):
+    """The same image and question through the openai SDK's responses, anthropic's messages (streamed
+    too) and ollama's chat and generate: mlx-vlm's greedy answer each time; a stored Responses turn
+    keeps its image, so the next turn's prompt (image included) comes from the prefix cache."""
+    import anthropic
+    import ollama
+
+    path, pics, llm, vmodel, processor = vision
+    url, _ = served
+    want = _until_eos(llm, oracle(vmodel, processor, llm, "Describe the fox", [read_image(pics[0])])[1])
+    b64 = base64.b64encode(pics[0].read_bytes()).decode()
+
+    r = client(url).responses.create(model=MODEL, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(pics[0])},
+                                     {"type": "input_text", "text": "Describe the fox"}]}])
+    assert r.output_text == want
+    again = client(url).responses.create(model=MODEL, max_output_tokens=2, temperature=0, previous_response_id=r.id,
+                                         input="And its colour?")
+    block_size = 4  # the fixture's engine: all but the first prompt's last partial block is read back
+    assert again.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - block_size
+
+    a = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+              {"type": "text", "text": "Describe the fox"}]
+    greedy = {"temperature": 0}  # today's SDK takes sampling fields in extra_body only
+    m = a.messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=greedy,
+                          messages=[{"role": "user", "content": blocks}])
+    assert m.content[0].text == want
+    with a.messages.stream(model=MODEL, max_tokens=MAX_TOKENS, extra_body=greedy,
+                           messages=[{"role": "user", "content": blocks}]) as s:
+        assert "".join(s.text_stream) == want
+
+    o = ollama.Client(host=url)
+    greedy = {"temperature": 0, "num_predict": MAX_TOKENS}
+    reply = o.chat(model=MODEL, options=greedy,
+                   messages=[{"role": "user", "content": "Describe the fox", "images": [pics[0]]}])
+    assert reply.message.content == want
+    assert o.generate(model=MODEL, prompt="Describe the fox", images=[pics[0].read_bytes()], options=greedy,
+                      ).response == want
+
+
+def test_each_protocol_refuses_images_for_a_model_that_does_not_see(served):
+    """A text-only model: a 400 in each protocol's own shape, naming the part in its own words."""
+    import anthropic
+    import httpx
+    import ollama
+
+    _, text_url = served
+    png = "iVBORw0KGgo="
+    with pytest.raises(openai.BadRequestError) as e:
+        client(text_url).responses.create(model="tiny-text", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "data:image/png;base64," + png}]}])
+    assert "does not take images" in e.value.body["message"] and e.value.body["param"] == "input[0].content[1]"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic.Anthropic(base_url=text_url, api_key="unused", max_retries=0).messages.create(
+            model="tiny-text", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "does not take images" in e.value.body["error"]["message"]
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=text_url).chat(model="tiny-text", messages=[
+            {"role": "user", "content": "what is this?", "images": [png]}])
+    assert e.value.status_code == 400 and "does not take images" in e.value.error
+    # A file part is refused by name; the server serves on.
+    r = httpx.post(text_url + "/v1/responses", json={"model": "tiny-text", "input": [{"role": "user", "content": [
+        {"type": "input_file", "file_id": "file-1"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
+    assert httpx.post(text_url + "/api/generate", json={"model": "tiny-text", "prompt": "hi", "stream": False,
+                                                        "options": {"num_predict": 2}}).json()["done"]

@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from macinfer.chat.request import ChatRequest
-from macinfer.serve.generation import Generation, Route, chat_prepared, held, no_images
+from macinfer.serve.generation import Generation, Route, chat_prepared, held, no_media
+from macinfer.serve.images import image_part
 from macinfer.serve.schemas import APIError, check_known
 
 ROUTE = Route("anthropic", "messages")
@@ -123,13 +124,15 @@ def chat_messages(messages: list[Message]) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, thought, results = [], [], [], []
+        texts, calls, thought, results = [], [], [], []  # texts: text and image parts in chat's shape
         for j, block in enumerate(m.content):
             kind, at = block.get("type"), f"{where}[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-            elif kind in ("image", "document"):
-                raise no_images(at)
+                texts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and m.role == "user":
+                texts.append(image_part(_image_url(block, at), at))
+            elif kind == "document":
+                raise no_media(at, "document")
             elif kind == "tool_use" and m.role == "assistant":
                 calls.append({"id": _field(block, "id", at, str), "type": "function",
                               "function": {"name": _field(block, "name", at, str),
@@ -144,12 +147,33 @@ def chat_messages(messages: list[Message]) -> list[dict]:
                 raise APIError(400, f"{at}.type {kind!r} is not supported in a {m.role} message", f"{at}.type",
                                "invalid_value")
         if m.role == "user":
-            out += results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+            out += results + ([{"role": "user", "content": _joined(texts)}] if texts or not results else [])
         else:
-            message = {"role": "assistant", "content": "".join(texts)}
+            message = {"role": "assistant", "content": _joined(texts)}
             out.append(message | ({"tool_calls": calls} if calls else {})
                        | ({"reasoning_content": "".join(thought)} if thought else {}))
     return out
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """Text parts as one string; with an image among them, the parts as they are."""
+    if any(p["type"] != "text" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image_url(block: dict, where: str) -> str:
+    """An image block's source as a URL macinfer.serve.images reads: base64 data as a data URL, a url as it is."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        media = media if isinstance(media, str) and media.startswith("image/") else "image/png"
+        return f"data:{media};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise APIError(400, f"{where}.source: an image's source is base64 data or a url (file sources are not supported)",
+                   f"{where}.source")
 
 
 def _field(block: dict, key: str, where: str, kind: type):
@@ -161,7 +185,7 @@ def _field(block: dict, key: str, where: str, kind: type):
 
 
 def _text(content, where: str) -> str:
-    """A string, or text blocks joined (an image is refused)."""
+    """A string, or text blocks joined (a system prompt or a tool result: images are refused there)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -170,7 +194,8 @@ def _text(content, where: str) -> str:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in ("image", "document"):
-            raise no_images(f"{where}[{j}]")
+            raise APIError(400, f"{where}[{j}]: {kind} blocks are taken in a user message's content only",
+                           f"{where}[{j}]")
         if kind != "text" or not isinstance(block.get("text"), str):
             raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got {kind!r}", f"{where}[{j}]")
         texts.append(block["text"])

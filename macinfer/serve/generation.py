@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -33,6 +34,7 @@ from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, p
 from macinfer.core.sampling_params import SamplingParams
 from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
+from macinfer.serve.images import has_images, image_messages
 from macinfer.serve.model_pool import ModelPool, ServedModel
 from macinfer.serve.schemas import APIError
 
@@ -58,11 +60,9 @@ async def held(pool: ModelPool, name: str | None) -> AsyncIterator[ServedModel]:
         pool.release(m)
 
 
-def no_images(param: str) -> APIError:
-    """The one refusal of an image (or other media) part on the protocols that do not take them yet
-    (chat completions does: macinfer.serve.images)."""
-    return APIError(400, f"{param}: images are not supported on this API yet: send them to /v1/chat/completions",
-                    param, "unsupported_content")
+def no_media(param: str, kind: str) -> APIError:
+    """The one refusal of a content part no model here reads (files, documents, audio)."""
+    return APIError(400, f"{param}: {kind} parts are not supported: send text or images", param, "unsupported_content")
 
 
 def renamed(e: APIError, names: dict[str, str]) -> APIError:
@@ -76,14 +76,21 @@ def renamed(e: APIError, names: dict[str, str]) -> APIError:
     return e
 
 
-def chat_prepared(llm, chat: ChatRequest, names: dict[str, str] | None = None) -> PreparedChat:
-    """macinfer.chat's prepare on `llm`'s tokenizer (prompt ids, grammar, parser), its errors as APIErrors.
+def chat_prepared(llm, chat: ChatRequest, names: dict[str, str] | None = None,
+                  allow_remote_images: bool = False) -> PreparedChat:
+    """macinfer.chat's prepare on `llm`'s tokenizer (prompt ids and images, grammar, parser), its
+    errors as APIErrors. Image parts in the messages (macinfer.serve.images.image_part) are read
+    and handed to the model's processor.
 
     Raises:
         APIError: 400 naming the field; 500 when the model's own format cannot be read here.
     """
+    pictures = None
+    if has_images(chat.messages):
+        messages, pictures = image_messages(llm, chat.messages, allow_remote_images)
+        chat = dataclasses.replace(chat, messages=messages)
     try:
-        return prepare(llm.tokenizer, chat)
+        return prepare(llm.tokenizer, chat, images=pictures, vision=llm.images)
     except ChatRequestError as e:
         raise renamed(APIError(400, str(e), e.param, "invalid_value"), names or {}) from None
     except MacinferError as e:  # the model's format cannot be read here: not the request's fault
@@ -147,7 +154,8 @@ class Generation:
 
         Args:
             server: the app's Server (its pool, metrics and max_queue).
-            chat: a chat reply to generate; or `prompt`, raw text continued as it is (no template).
+            chat: a chat reply to generate (its messages may hold image parts: macinfer.serve.images);
+                or `prompt`, raw text continued as it is (no template).
             structured: the raw prompt's grammar (a chat request's comes from macinfer.chat).
             sampling: SamplingParams' fields (sampling_params).
             check: called with the held model before anything else (a protocol's own refusals).
@@ -166,14 +174,15 @@ class Generation:
             # NOTE: the template, tokenising and compiling a grammar run on a worker thread: a long
             # prompt must not stall the event loop, which serves every other client's stream.
             if chat is not None:
-                prepared = await asyncio.to_thread(chat_prepared, llm, chat, names)
+                prepared = await asyncio.to_thread(chat_prepared, llm, chat, names, server.allow_remote_images)
                 ids, structured, parser = prepared.prompt_ids, prepared.params.structured, prepared.new_parser()
+                mm = prepared.mm
             else:
                 ids = await asyncio.to_thread(_encoded, llm, prompt, names)
-                parser = OutputParser(llm.tokenizer, None, False, None, None, len(ids))
+                parser, mm = OutputParser(llm.tokenizer, None, False, None, None, len(ids)), None
             params = sampling_params(m, len(ids), sampling, structured, names)
             check_queue(m.engine, server.max_queue)
-            stream = m.engine.generate(ids, params, request_id=f"{route.protocol}-{uuid.uuid4().hex[:24]}")
+            stream = m.engine.generate(ids, params, request_id=f"{route.protocol}-{uuid.uuid4().hex[:24]}", mm=mm)
             grammar = "tool_choice" if chat is not None and chat.response_format is None else "response_format"
             first = await _first_delta(stream, http, names.get(grammar, grammar))
             return None if first is None else cls(server, http, route, m, ids, params, parser, stream, first)

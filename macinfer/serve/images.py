@@ -28,37 +28,47 @@ IMAGE_PARTS = ("image_url", "input_image", "image")
 REMOTE_TIMEOUT_S = 10
 
 
-def has_images(req: ChatCompletionRequest) -> bool:
+def has_images(messages: list[dict]) -> bool:
     """Whether any message holds an image content part."""
-    return _first_image(req) is not None
+    return _first_image(messages) is not None
 
 
-def _first_image(req: ChatCompletionRequest) -> int | None:
+def _first_image(messages: list[dict]) -> int | None:
     """The index of the first message holding an image part, or None."""
-    return next((i for i, m in enumerate(req.messages) if isinstance(m.content, list) and any(
-        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m.content)), None)
+    return next((i for i, m in enumerate(messages) if isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"])), None)
 
 
-def image_messages(llm, req: ChatCompletionRequest, allow_remote: bool) -> tuple[list[dict], list]:
-    """The messages of a chat request with images, for the chat template, and the images, read and checked.
+def request_messages(req: ChatCompletionRequest) -> list[dict]:
+    """A chat completions request's messages as dicts (extra fields kept), `developer` as `system`."""
+    return [{**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in req.messages]
+
+
+def image_messages(llm, messages: list[dict], allow_remote: bool) -> tuple[list[dict], list]:
+    """Chat messages with image parts, for the chat template, and the images, read and checked.
 
     Each image part becomes {"type": "image"} (the template writes the model's placeholder there; the
-    model's processor expands it: macinfer.chat.request.prepare with `images`).
+    model's processor expands it: macinfer.chat.request.prepare with `images`). A part is named in
+    errors by its own "param" when it has one (the protocols' adapters set it: `input[0].content[1]`),
+    else as `messages[i].content[j]`.
 
     Raises:
         APIError: 400, naming the message or part at fault.
     """
     if llm.images is None:
+        first = _first_image(messages)
+        part = next(p for p in messages[first]["content"] if isinstance(p, dict) and p.get("type") in IMAGE_PARTS)
+        where = part.get("param") or f"messages[{first}].content"
         raise APIError(400, f"{llm.info.name} does not take images: send text only, or use a vision-language model",
-                       f"messages[{_first_image(req)}].content", "model_not_vision")
-    messages, pics = [], []
-    for i, m in enumerate(req.messages):
-        role = "system" if m.role == "developer" else m.role
-        content = m.content
+                       where, "model_not_vision")
+    out, pics = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                where = f"messages[{i}].content[{j}]"
+                where = (part.get("param") if isinstance(part, dict) else None) or f"messages[{i}].content[{j}]"
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
@@ -68,11 +78,17 @@ def image_messages(llm, req: ChatCompletionRequest, allow_remote: bool) -> tuple
                 else:
                     raise APIError(400, f"{where}: a content part is text or an image, got {kind!r}", where)
             content = parts
-        messages.append({**(m.model_extra or {}), "role": role, "content": content or ""})
+        out.append({**m, "content": content or ""})
     if len(pics) > llm.images.max_images:
         raise APIError(400, f"{len(pics)} images in one request; {llm.info.name} takes at most {llm.images.max_images}",
                        "messages", "too_many_images")
-    return messages, pics
+    return out, pics
+
+
+def image_part(url: str, param: str) -> dict:
+    """An image in OpenAI's chat shape, as the other protocols' adapters hand theirs on (and the
+    Responses store keeps them): `url` a data URL, a path or an http(s) URL; `param` names it in errors."""
+    return {"type": "image_url", "image_url": {"url": url}, "param": param}
 
 
 def _url(part: dict) -> str | None:

@@ -18,8 +18,8 @@ are macinfer.serve.ollama_models'.
 Replies stream as NDJSON (`stream` is true unless false is sent, as Ollama's): one object per
 delta (`message.content` / `message.thinking`, `response` / `thinking`; a tool call whole once
 parsed), then one with `done: true`, `done_reason` and the token counts and durations. Errors
-are Ollama's body, {"error": "..."} (`error_response`). Images are refused for now
-(macinfer.serve.generation.no_images).
+are Ollama's body, {"error": "..."} (`error_response`). `images` (base64, as Ollama's clients send
+them) go to a model that sees before the message's text (macinfer.serve.images).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta, ToolCallEn
 from macinfer.chat.reasoning import thinking_of
 from macinfer.chat.request import ChatRequest
 from macinfer.core.grammar import StructuredOutput
-from macinfer.serve.generation import Generation, Route, held, no_images
+from macinfer.serve.generation import Generation, Route, held
+from macinfer.serve.images import image_part
 from macinfer.serve.ollama_models import KeepAlive, keep_alive_seconds, resolve
 from macinfer.serve.schemas import APIError, check_known
 
@@ -116,8 +117,8 @@ def check_supported(req: ReplyRequest) -> None:
     for bad, param, msg in refused:
         if bad:
             raise APIError(400, msg, param, "unsupported_parameter")
-    if getattr(req, "images", None):
-        raise no_images("images")
+    if getattr(req, "images", None) and getattr(req, "raw", False):
+        raise APIError(400, "images need the chat template: send them without raw", "images", "invalid_value")
 
 
 def sampling(options: dict | None, lenient: bool) -> dict:
@@ -190,9 +191,7 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
     the id of the last call to its tool_name."""
     out, ids = [], {}
     for i, m in enumerate(messages):
-        if m.images:
-            raise no_images(f"messages[{i}].images")
-        message = {"role": m.role, "content": m.content or ""}
+        message = {"role": m.role, "content": with_images(m.content or "", m.images, f"messages[{i}].images")}
         if m.role == "assistant" and m.thinking:
             message["reasoning_content"] = m.thinking
         if m.role == "assistant" and m.tool_calls:
@@ -202,6 +201,18 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
             message |= {"tool_call_id": ids.get(m.tool_name, "")} | ({"name": m.tool_name} if m.tool_name else {})
         out.append(message)
     return out
+
+
+def with_images(text: str, images: list | None, where: str) -> str | list[dict]:
+    """A message's content with its images before its text (where Ollama puts them), in chat's shape."""
+    if not images:
+        return text
+    parts = []
+    for j, b64 in enumerate(images):
+        if not isinstance(b64, str) or not b64:
+            raise APIError(400, f"{where}[{j}] must be an image's bytes in base64", f"{where}[{j}]", "invalid_value")
+        parts.append(image_part(b64 if b64.startswith("data:") else f"data:image/png;base64,{b64}", f"{where}[{j}]"))
+    return parts + ([{"type": "text", "text": text}] if text else [])
 
 
 def _call(call: dict, cid: str, where: str, ids: dict) -> dict:
@@ -307,7 +318,7 @@ class OllamaReplies:
             return await self._reply(req, http, Route("ollama", "api/generate"), prompt=req.prompt,
                                      structured=raw_grammar(req.format))
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-            [{"role": "user", "content": req.prompt}]
+            [{"role": "user", "content": with_images(req.prompt, req.images, "images")}]
         chat = ChatRequest(messages, response_format=response_format(req.format), **thinking_options(req.think))
         return await self._reply(req, http, Route("ollama", "api/generate"), chat=chat)
 

@@ -27,7 +27,8 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from macinfer.chat.request import ChatRequest
-from macinfer.serve.generation import Generation, Route, no_images
+from macinfer.serve.generation import Generation, Route, no_media
+from macinfer.serve.images import image_part
 from macinfer.serve.response_items import OutputItems, item_id
 from macinfer.serve.response_store import ResponseStore
 from macinfer.serve.schemas import APIError, check_known
@@ -36,7 +37,7 @@ ROUTE = Route("responses", "responses")
 # Internal names -> the Responses API's, for errors.
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-IMAGE_PARTS = ("input_image", "input_file", "input_audio")
+MEDIA_PARTS = {"input_file": "file", "input_audio": "audio"}
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -147,8 +148,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
                                f"{where}.role", "invalid_value")
-            message = {"role": "system" if role == "developer" else role, "content": _text(item.get("content"),
-                                                                                        f"{where}.content")}
+            message = {"role": "system" if role == "developer" else role,
+                       "content": _content(item.get("content"), f"{where}.content", images=role == "user")}
             if role == "assistant" and thought:
                 message["reasoning_content"], thought = thought, None
             out.append(message)
@@ -181,22 +182,43 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
+def _content(content, where: str, images: bool) -> str | list[dict]:
+    """A message's content: its text, or (with `input_image` parts, in a user message) text and image
+    parts in chat's shape (macinfer.serve.images.image_part)."""
+    if not images or not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"{where}[{j}].image_url: an input_image needs image_url (a data URL, a path or "
+                                    "an http URL; file_id is not supported)", f"{where}[{j}].image_url", "invalid_value")
+            parts.append(image_part(url, f"{where}[{j}]"))
+        else:
+            parts.append({"type": "text", "text": _text_part(part, f"{where}[{j}]")})
+    return parts
+
+
 def _text(content, where: str) -> str:
-    """A content field's text: a string, or text parts joined (an image is refused)."""
+    """A content field's text: a string, or text parts joined (other parts are refused)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or a list of content parts", where, "invalid_type")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in IMAGE_PARTS:
-            raise no_images(f"{where}[{j}]")
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}[{j}]: only text parts are supported, got {kind!r}", f"{where}[{j}]",
-                           "invalid_value")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_text_part(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in MEDIA_PARTS:
+        raise no_media(where, MEDIA_PARTS[kind])
+    if kind == "input_image":
+        raise APIError(400, f"{where}: images are taken in user messages only", where, "invalid_value")
+    if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        raise APIError(400, f"{where}: a content part is text or an image, got {kind!r}", where, "invalid_value")
+    return part["text"]
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -48,7 +48,7 @@ from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
 from macinfer.serve.generation import check_queue, close_streams, next_or_disconnect
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
-from macinfer.serve.images import has_images, image_messages
+from macinfer.serve.images import has_images, image_messages, request_messages
 from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sampling_params import MAX_TOP_LOGPROBS
@@ -120,8 +120,8 @@ class Server:
         Raises:
             APIError: 400 naming the field that cannot be honoured.
         """
-        if has_images(req):  # image parts: read, checked, and {"type": "image"} for the template
-            messages, pictures = image_messages(llm, req, allow_remote_images)
+        if has_images(raw := request_messages(req)):  # image parts: read, checked, {"type": "image"} for the template
+            messages, pictures = image_messages(llm, raw, allow_remote_images)
         else:
             messages, pictures = [], None
             for i, m in enumerate(req.messages):
