@@ -83,13 +83,15 @@ def draft_pick(seq: Sequence, logits: mx.array):
 
 def pick_kept(seq: Sequence, sub: mx.array, head):
     """draft_pick for a draft whose head keeps a subset of the vocabulary (a SubsetHead):
-    `sub` holds one row's logits over the kept columns only.
+    `sub` holds one row's logits over the kept columns only (head None: over the whole vocabulary).
 
     A greedy row picks among those columns: building the full-vocabulary logits (-inf
     elsewhere) and taking their argmax cost 24 ms for 8 rows of SmolLM2's vocabulary here,
     and gives the same token (the kept ids are sorted, so the first maximum is the same).
     A sampled row needs the full q for the verifier: draft_pick on the expanded row.
     """
+    if head is None:
+        return draft_pick(seq, sub)
     if seq.sampler.params.greedy:
         return head.ids[mx.argmax(sub, axis=-1)], None
     return draft_pick(seq, head.expand(sub))
