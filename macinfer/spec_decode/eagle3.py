@@ -208,11 +208,11 @@ def _tensors(path: Path, name: str) -> dict[str, mx.array]:
             out.update(mx.load(str(f)))
     except (ValueError, RuntimeError, OSError) as e:
         raise MacinferError(f"could not load draft {name} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    renamed = {}
+    renamed = {}  # -> Eagle3Draft's names: model.layers.*, fc, norm, lm_head (and embed_tokens, d2t, t2d)
     for k, v in out.items():
         k = k[len("model."):] if k.startswith("model.") else k
         k = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
-        renamed[k] = v
+        renamed["model." + k if k.startswith("layers.") else k] = v
     return renamed
 
 

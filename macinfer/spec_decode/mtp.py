@@ -27,6 +27,7 @@ whose kind (full attention, MoE or dense) matches the weights found.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -137,14 +138,23 @@ class MTPBody(nn.Module):
         self.embed_tokens = embed_tokens  # the target's, shared
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        from mlx_lm.models.base import create_attention_mask
-
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         cache = cache if cache is not None else [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
+        mask = self._mask(h, cache[0])
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c)
         return h
+
+    def _mask(self, h: mx.array, cache):
+        """The mask the layer's own model body would build: its module's create_attention_mask (which
+        macinfer.kv.attention_variants may have routed to the paged cache), with an array where its
+        attention asks for one (MLA)."""
+        from mlx_lm.models import base
+
+        fn = getattr(sys.modules.get(type(self.layers[0]).__module__), "create_attention_mask",
+                     base.create_attention_mask)
+        arrays = getattr(getattr(self.layers[0], "self_attn", None), "mask_arrays", False)
+        return fn(h, cache, return_array=arrays) if arrays else fn(h, cache)
 
 
 class MTPDraft(nn.Module):
