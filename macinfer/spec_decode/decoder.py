@@ -182,12 +182,9 @@ class SpecDecoder:
         measured = getattr(self.drafter, "round_s", None)
         return measured if measured is not None else 0.0
 
-    def _rounds(self, seqs: list[Sequence], offers: list[int]) -> bool:
-        """Whether drafting for these rows runs the draft model (a hybrid drafter may look up instead)."""
-        uses = getattr(self.drafter, "uses_model", None)
-        if uses is None:
-            return self.drafter.has_model
-        return any(o > 0 and uses(s) for s, o in zip(seqs, offers))
+    def _uses_model(self, kind: str) -> bool:
+        """Whether drafting a row of this kind costs draft-model rounds (lookup's kinds do not)."""
+        return self.drafter.has_model and not kind.startswith("ngram:")
 
     def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True,
                  declines: list[float] | None = None) -> int:
@@ -252,12 +249,41 @@ class SpecDecoder:
         # structured output (propose).
         caps = [0 if s.sampler.per_row or s.grammar is not None else
                 min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
-        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
-        kinds = [self.kind(s) for s in seqs]
+        picks = [self._option(s, c, len(seqs)) if c > 0 else (self.kind(s), 0) for s, c in zip(seqs, caps)]
+        kinds, offers = [k for k, _ in picks], [o for _, o in picks]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
         declines = [self.decline_rate(kd) for kd in kinds]
-        K = self.choose_k(alphas, offers, self._rounds(seqs, offers), declines) if seqs else 0
+        rounds = any(o > 0 and self._uses_model(kd) for o, kd in zip(offers, kinds))
+        K = self.choose_k(alphas, offers, rounds, declines) if seqs else 0
         return K, offers, kinds
+
+    def _option(self, seq: Sequence, cap: int, rows: int) -> tuple[str, int]:
+        """The kind of draft this row gets and how many tokens it offers: of the drafter's options
+        (`options(seq, k)`: a LookupDrafter offers lookup and its model), the one expected to give
+        the most tokens per second for this row; (kind, 0) when none beats not drafting.
+
+        NOTE: a row whose text repeats a little is often better off with the model than with a
+        short lookup: judging both by their own measured acceptance keeps lookup's drafts from
+        displacing better ones (and a lookup that keeps failing from turning drafting off).
+        """
+        options = getattr(self.drafter, "options", None)
+        if options is None:
+            return self.kind(seq), self.drafter.available(seq, cap)
+        found = options(seq, cap)
+        if len(found) == 1 or not self.adaptive or not self.step_cost.ready:  # nothing to weigh them by
+            default = self.kind(seq)
+            return next((o for o in found if o[0] == default), found[0])
+        base = self.step_cost(rows)
+        slope = self.step_cost(rows + 1) - base
+        best, pick = 1.0 / base, (found[0][0], 0)
+        for kind, offer in found:
+            a, d = self.alpha(seq.request_id, kind), self.decline_rate(kind)
+            round_s = self.draft_round_seconds() if self._uses_model(kind) else 0.0
+            for k in range(1, offer + 1):
+                rate = expected_tokens(a, k) / (base + slope * k * (1.0 - d) + round_s * k)
+                if rate > best * (1 + 1e-6):
+                    best, pick = rate, (kind, offer)
+        return pick
 
     def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
         """Whether the next step should be synchronous so that it can draft for these rows.
@@ -316,7 +342,10 @@ class SpecDecoder:
         self._declined = set()
         self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
         if K > 0:
-            self.drafter.propose(decodes, [min(K, o) for o in offers])
+            if getattr(self.drafter, "options", None) is not None:
+                self.drafter.propose(decodes, [min(K, o) for o in offers], kinds)
+            else:
+                self.drafter.propose(decodes, [min(K, o) for o in offers])
             # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
             # of its first token), as opposed to drafts dropped later for room.
             self._declined = {s.request_id for s, o in zip(decodes, offers) if o > 0 and not s.spec_token_ids}
