@@ -392,3 +392,40 @@ def test_auto_where_nothing_pays_or_nothing_is_found(root, env, tiny_models):
         e = auto(c, engine_info(c, quantization="4-bit g64"))
         assert e.spec is None and e.draft_choice.kind == "none" and e.features.drafter is None
         assert "draft: none (quantised weights without Metal" in e.describe()
+
+
+def test_pull_with_draft_then_auto_uses_it(root, env, monkeypatch):
+    """`pull MODEL --with-draft` fetches the catalog's drafts (a fake hub: nothing leaves the machine),
+    and `auto` then picks the EAGLE-3 draft; a named draft that does not load is exit 1, one line."""
+    import fnmatch
+
+    import huggingface_hub
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    c = build("eagle3-speculators", root)
+    remote = {"tiny/llama7": c["path"], "tiny/llama7-eagle3": Path(c["draft"])}
+
+    class File:
+        def __init__(self, name):
+            self.filename = name
+
+    def snapshot_download(repo_id, *, allow_patterns=None, cache_dir=None, dry_run=False, **kw):
+        files = [f.name for f in remote[repo_id].iterdir()
+                 if not allow_patterns or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)]
+        if dry_run:
+            return [File(n) for n in files]
+        return str(add_hf_repo(Path(cache_dir), repo_id, remote[repo_id], allow_patterns))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    _catalog(env, "tiny-llama7", "tiny/llama7", ["tiny/llama7-eagle3"])
+    r = CliRunner().invoke(main, ["pull", "tiny-llama7", "--with-draft"])
+    assert r.exit_code == 0, r.output
+    assert "pulled draft tiny/llama7-eagle3" in r.output
+    assert auto(c, engine_info(c, name="tiny-llama7")).draft_choice.kind == "eagle3"
+    shown = json.loads(CliRunner().invoke(main, ["show", "tiny-llama7", "--json", "--no-probe"]).output)
+    assert shown["auto_draft"] == "tiny/llama7-eagle3 (on disk) with n-gram lookup"
+    no_mtp = mtp_checkpoint(root / "no-mtp-cli", "qwen3_next", HYBRID["qwen3_next"], with_mtp=False)
+    r = CliRunner().invoke(main, ["run", str(no_mtp), "hello", "--no-chat-template", "-n", "2", "--draft", "mtp"])
+    assert r.exit_code == 1 and "promises 1 MTP layer" in r.output and len(r.output.strip().splitlines()) == 1

@@ -295,9 +295,12 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
     taps = LayerTaps(target_model, ids)
     draft = Eagle3Draft(args, dim, draft_vocab, nbr, table, "fc.bias" in w, taps, vocab_map)
     want = {k for k, _ in tree_flatten(draft.parameters()) if "embed_tokens" not in k}
-    missing = sorted(want - w.keys())
+    missing, extra = sorted(want - w.keys()), sorted(w.keys() - want)
     if missing:
         raise MacinferError(f"draft {name} is incomplete ({missing[0]} missing): download it again")
+    if extra:  # e.g. q_norm: a layer kind other than llama's, which would be dropped silently
+        raise MacinferError(f"draft {name} has weights a llama-style EAGLE-3 layer does not ({extra[0]}): "
+                            "this kind of EAGLE-3 draft is not supported")
     try:
         draft.load_weights([(k, v) for k, v in w.items() if k in want], strict=False)
     except ValueError as e:

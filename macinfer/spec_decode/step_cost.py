@@ -66,3 +66,30 @@ class StepCost:
     def __call__(self, tokens: int) -> float:
         a, b = self.coeffs()
         return a + b * tokens
+
+
+def predicted_speedup(cost, round_s: float, rows: int, spec_steps: float, drafted: float, accepted: float,
+                      plain_tokens: float) -> float | None:
+    """The decode speed-up speculation should give, from what was drafted and the measured costs.
+
+    A verify step of `rows` rows with k drafts each emits 1 + m tokens per row on average (m the
+    drafts accepted per step) and takes T(rows x (1 + k)) + k x D, against T(rows) for a plain step
+    (T: a decode step's measured time, `cost(tokens)`; D: one draft round, `round_s`). Steps that
+    drafted nothing cost T(rows) each:
+
+        speed-up = T(B) x (plain + S (1 + m)) / (plain x T(B) + S (T(B (1 + k)) + k D))
+
+    with S the verify steps, plain the tokens of steps without drafts, per row. m and k come from
+    the requests' own counts (accepted / S, drafted / S), so the model needs no acceptance rate
+    per position: 1 + m is the expected tokens per step, (1 - a^(k+1)) / (1 - a) for a chain whose
+    drafts are each accepted with probability a.
+
+    Returns None when nothing was drafted.
+    """
+    if spec_steps <= 0:
+        return None
+    m, k = accepted / spec_steps, drafted / spec_steps
+    t1 = cost(rows)
+    tokens = plain_tokens + spec_steps * (1 + m)
+    seconds = plain_tokens * t1 + spec_steps * (cost(rows * (1 + k)) + k * round_s)
+    return t1 * tokens / seconds
