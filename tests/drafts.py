@@ -1,7 +1,7 @@
 """Tiny checkpoints with drafts in them, in the layouts the drafts are published in (nothing downloads).
 
-- `mtp_checkpoint`: a Qwen3-Next target written as its Hugging Face checkpoint is (experts one by
-  one, conv1d (C, 1, K), norms stored as an offset from 1) with `mtp.*` tensors, or a GLM-4.7-Flash
+- `mtp_checkpoint`: a Qwen3-Next or Qwen3.5 target written as its Hugging Face checkpoint is (experts
+  one by one, conv1d (C, 1, K), norms stored as an offset from 1) with `mtp.*` tensors, or a GLM-4.7-Flash
   target (DeepSeek-V3's MLA attention and MTP layout: `model.layers.{N}.{enorm,hnorm,eh_proj,
   shared_head.*}` and the layer's own tensors, `kv_b_proj` unsplit, experts one by one). Key names
   and the config keys (`num_nextn_predict_layers`) as in vLLM's qwen3_next_mtp.py / deepseek_mtp.py
@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from tiny import build_from_config, build_tiny_model
 
 QWEN_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-              ".q_norm.weight", ".k_norm.weight")
+              "language_model.norm.weight", ".q_norm.weight", ".k_norm.weight")
 
 
 def _random(module, seed: int, scale: float = 3.0) -> dict[str, mx.array]:
@@ -79,29 +79,40 @@ def _mla_hf(w: dict[str, mx.array], cfg: dict) -> dict[str, mx.array]:
 
 
 def mtp_checkpoint(out: Path, family: str, config: dict, seed: int = 0, with_mtp: bool = True) -> Path:
-    """A target of `family` ("qwen3_next" or "glm4_moe_lite") with one MTP layer, as published.
+    """A target of `family` ("qwen3_next", "qwen3_5" or "glm4_moe_lite") with one MTP layer, as published.
 
-    with_mtp=False writes the config's promise (num_nextn_predict_layers: 1) without the tensors.
+    with_mtp=False writes the config's promise (num_nextn_predict_layers / mtp_num_hidden_layers: 1)
+    without the tensors.
     """
     from mlx_lm.utils import _get_classes
 
     out = Path(out)
-    config = {**config, "num_nextn_predict_layers": 1}
-    if family == "qwen3_next":
+    if family == "qwen3_5":  # Qwen3.5 keeps its text model's settings, the MTP count among them, in text_config
+        config = {**config, "text_config": {**config["text_config"], "mtp_num_hidden_layers": 1}}
+    else:
+        config = {**config, "num_nextn_predict_layers": 1}
+    if family.startswith("qwen"):
         build_tiny_model(out, "llama", seed=seed, **config)
     else:
         build_from_config(out, config, seed=seed)
     config = json.loads((out / "config.json").read_text())
     w = dict(mx.load(str(out / "model.safetensors")))
+    text = config.get("text_config", config)
     model_cls, args_cls = _get_classes(config)
     args = args_cls.from_dict(config)
-    n = int(config["num_hidden_layers"])
-    H = int(config["hidden_size"])
-    if family == "qwen3_next":
-        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+    n = int(text["num_hidden_layers"])
+    H = int(text["hidden_size"])
+    if family.startswith("qwen"):
+        if family == "qwen3_next":
+            from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer as Layer
+        else:  # mlx-lm's language_model.model.* is the checkpoint's model.language_model.*
+            from mlx_lm.models.qwen3_5 import DecoderLayer as Layer, TextModelArgs
 
+            args = TextModelArgs.from_dict(text)
+            w = {k.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head"): v
+                 for k, v in w.items()}
         w = _qwen_hf(w)
-        layer = _random(Qwen3NextDecoderLayer(args, config["full_attention_interval"] - 1), seed + 1)
+        layer = _random(Layer(args, text["full_attention_interval"] - 1), seed + 1)
         mtp = _qwen_hf({f"mtp.layers.0.{k}": v for k, v in layer.items()})
         mx.random.seed(seed + 2)
         mtp["mtp.fc.weight"] = mx.random.normal((H, 2 * H)) * (3 / (2 * H) ** 0.5)

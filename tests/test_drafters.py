@@ -56,7 +56,7 @@ def build(kind: str, root) -> dict:
     d = root / kind
     if kind.startswith("mtp-"):
         family = kind[len("mtp-"):]
-        target = mtp_checkpoint(d / "target", family, HYBRID["qwen3_next"] if family == "qwen3_next" else GLM)
+        target = mtp_checkpoint(d / "target", family, HYBRID[family] if family.startswith("qwen") else GLM)
         draft = "mtp"
     elif kind.startswith("eagle3-"):
         target = _llama(root, "llama7", num_layers=7)
@@ -142,7 +142,7 @@ def assert_all_free(e):
     assert d.states == {} and e.requests == {}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["mtp-qwen3_5"])
 def test_greedy_equals_mlx_lm_batched_with_preemption(root, kind):
     c = build(kind, root)
     e = engine(c, num_blocks=18, max_num_seqs=3, enable_prefix_cache=False)
@@ -308,7 +308,7 @@ def engine_info(c, **changes):
     return dataclasses.replace(c["info"], **changes)
 
 
-@pytest.mark.parametrize("kind", ["mtp-qwen3_next", "mtp-glm4_moe_lite"])
+@pytest.mark.parametrize("kind", ["mtp-qwen3_next", "mtp-qwen3_5", "mtp-glm4_moe_lite"])
 def test_auto_picks_the_checkpoints_mtp_layers(root, env, kind):
     e = auto(build(kind, root))
     assert e.draft_choice.kind == "mtp" and "MTP" in e.draft_choice.reason
