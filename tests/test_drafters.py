@@ -145,10 +145,12 @@ def assert_all_free(e):
 @pytest.mark.parametrize("kind", KINDS + ["mtp-qwen3_5"])
 def test_greedy_equals_mlx_lm_batched_with_preemption(root, kind):
     c = build(kind, root)
-    e = engine(c, num_blocks=18, max_num_seqs=3, enable_prefix_cache=False)
+    e = engine(c, num_blocks=18, max_num_seqs=3)
     assert isinstance(e.spec.drafter, DraftModelDrafter if kind == "model-on-disk" else FeatureDrafter)
     seen = instrument(e, c, script=True)
     params = SamplingParams(max_tokens=MAX_TOKENS)
+    alone = run(e, [(0, c["prompts"][0], params, "alone")])  # then again in the batch: a prefix-cache hit
+    assert alone["alone"].token_ids == c["want"][0]
     out = run(e, [(i, p, params, f"r{i}") for i, p in enumerate(c["prompts"])])
     assert e.scheduler.num_preemptions > 0
     for i, want in enumerate(c["want"]):

@@ -112,6 +112,47 @@ def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
     return last.generation_tps, toks
 
 
+class VirtualClock:
+    """--simulate A,b,D: time.perf_counter as a cost model, so ratios do not depend on what else runs.
+
+    Each target forward of n tokens (rows x width, padding included) costs A + b x n seconds, each
+    draft round D (the token draft's: 3 x D); nothing else costs time. Everything the engines time
+    (their step costs, which adaptive k weighs; each request's decode rate) reads this clock, so a
+    run shows what each drafting policy would give on a quiet machine with those costs; the real
+    figure needs a real run. Defaults: float32 SmolLM2 on a 2-core x86 with OpenBLAS, quiet: a
+    64 ms step, +9.5 ms per verified token, 4 ms per feature-draft round.
+    """
+
+    def __init__(self, spec: str):
+        self.a, self.b, self.d = (float(x) / 1000 for x in spec.split(","))
+        self.now = 0.0
+        time.perf_counter = lambda: self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+    def instrument(self, engine) -> None:
+        runner = engine.runner
+        forward, launch = runner.run_forward, runner.launch_decode
+
+        def run_forward(tables, starts, tokens, *a, **kw):
+            self.tick(self.a + self.b * len(tokens) * max(len(t) for t in tokens))
+            return forward(tables, starts, tokens, *a, **kw)
+
+        def launch_decode(seqs, tokens):
+            self.tick(self.a + self.b * len(seqs))
+            return launch(seqs, tokens)
+
+        runner.run_forward, runner.launch_decode = run_forward, launch_decode
+        if engine.spec is None:
+            return
+        drafter = getattr(engine.spec.drafter, "model", engine.spec.drafter)
+        for name, cost in (("_run", self.d), ("_forward", 3 * self.d)):  # a feature round; a token-draft round
+            fn = getattr(drafter, name, None)
+            if fn is not None:
+                setattr(drafter, name, lambda *a, fn=fn, cost=cost: (self.tick(cost), fn(*a))[1])
+
+
 def heldout_chat(args):
     """Chat speed over held-out prompts, one stream: plain against each drafter and auto (module docstring).
 
@@ -131,12 +172,17 @@ def heldout_chat(args):
     options = [("plain", None)] + [(k, drafts[k]) for k in args.engines.split(",") if k != "plain"]
     if args.candidate:  # a draft being considered, beside the shipped one in the same run
         options += [("cand", args.candidate), ("cand+ng", args.candidate + "+ngram")]
+    clock = VirtualClock(args.simulate) if args.simulate else None
     engines = {k: LLMEngine(model, tok, info, draft=d, **opts) for k, d in options}
+    if clock is not None:
+        for e in engines.values():
+            clock.instrument(e)
     prompts = [chat_ids(tok, t) for t in heldout_prompts()[: args.heldout]]
     for e in engines.values():
         run_engine(e, [prompts[0]], SamplingParams(max_tokens=4))
     print(f"SmolLM2-135M float32, {len(prompts)} held-out chat prompts, up to {args.tokens} tokens each, one stream, "
-          f"greedy, {args.reps} runs per prompt and engine, macinfer k <= {args.k} (adaptive)", flush=True)
+          f"greedy, {args.reps} runs per prompt and engine, macinfer k <= {args.k} (adaptive)"
+          + (f"; SIMULATED times (cost model {args.simulate} ms: A, b, D)" if clock else ""), flush=True)
     greedy = SamplingParams(max_tokens=args.tokens)
     totals, per_prompt, same = _interleaved(engines, prompts, greedy, args.reps, "prompt")
     never = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
@@ -211,6 +257,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     ap.add_argument("--heldout", type=int, default=0, metavar="N",
                     help="instead: chat speed over N held-out chat prompts (1-48; see above)")
+    ap.add_argument("--simulate", metavar="A,b,D", nargs="?", const="54.5,9.5,4", default="",
+                    help="with --heldout: time by a cost model (ms per forward, per token, per draft round) "
+                         "instead of the clock, so policies compare on a busy machine (see VirtualClock)")
     ap.add_argument("--engines", default="ngram,feature,tokens,auto",
                     help="with --heldout: the drafters run beside plain (ngram, feature, tokens, auto)")
     ap.add_argument("--candidate", metavar="DIR", default="",
