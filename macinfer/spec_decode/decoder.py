@@ -187,7 +187,7 @@ class SpecDecoder:
         return self.drafter.has_model and not kind.startswith("ngram:")
 
     def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True,
-                 declines: list[float] | None = None) -> int:
+                 declines: list[float] | None = None, sync_now: bool = False) -> int:
         """The K that maximises expected tokens per second this step (see module docstring).
 
         rounds: False if no row would draft with the model (no draft-round cost).
@@ -195,6 +195,9 @@ class SpecDecoder:
             unsure of its first token). Such a row still costs its draft round, and its
             acceptance (alphas) counts the decline as a rejection, but it adds no verify
             position: the forward is only widened if some row drafts.
+        sync_now: this step runs synchronously whatever K is (it was planned to draft); else
+            K = 0 keeps it queued, and drafting pays the synchronous step's extra cost
+            (StepCost.sync_penalty: the host's work no longer overlaps the model's).
         """
         if not self.adaptive:
             return self.max_k
@@ -209,7 +212,9 @@ class SpecDecoder:
             for d, o in zip(declines, offers):
                 all_decline *= d if min(K, o) > 0 else 1.0
             width = B * (1 + K * (1.0 - all_decline)) if K else B
-            seconds = self.step_cost(width) + (self.draft_round_seconds() * K if rounds else 0.0)
+            sync = bool(K) or sync_now
+            seconds = (self.step_cost(width) + (self.step_cost.sync_penalty if sync else 0.0)
+                       + (self.draft_round_seconds() * K if rounds else 0.0))
             if tokens / seconds > best * (1 + 1e-6):
                 best_k, best = K, tokens / seconds
         return best_k
@@ -237,9 +242,9 @@ class SpecDecoder:
         """
         if not self.adaptive:
             return self.max_k
-        return self._choose(seqs, 2 if pending else 1)[0]
+        return self._choose(seqs, 2 if pending else 1, sync_now=False)[0]
 
-    def _choose(self, seqs: list[Sequence], last: int) -> tuple[int, list[int], list[str]]:
+    def _choose(self, seqs: list[Sequence], last: int, sync_now: bool) -> tuple[int, list[int], list[str]]:
         """(K, each row's offer, each row's kind of draft) for these decode rows.
 
         `last`: tokens each row still produces before a draft could start (its next token, and
@@ -249,15 +254,15 @@ class SpecDecoder:
         # structured output (propose).
         caps = [0 if s.sampler.per_row or s.grammar is not None else
                 min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
-        picks = [self._option(s, c, len(seqs)) if c > 0 else (self.kind(s), 0) for s, c in zip(seqs, caps)]
+        picks = [self._option(s, c, len(seqs), sync_now) if c > 0 else (self.kind(s), 0) for s, c in zip(seqs, caps)]
         kinds, offers = [k for k, _ in picks], [o for _, o in picks]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
         declines = [self.decline_rate(kd) for kd in kinds]
         rounds = any(o > 0 and self._uses_model(kd) for o, kd in zip(offers, kinds))
-        K = self.choose_k(alphas, offers, rounds, declines) if seqs else 0
+        K = self.choose_k(alphas, offers, rounds, declines, sync_now) if seqs else 0
         return K, offers, kinds
 
-    def _option(self, seq: Sequence, cap: int, rows: int) -> tuple[str, int]:
+    def _option(self, seq: Sequence, cap: int, rows: int, sync_now: bool) -> tuple[str, int]:
         """The kind of draft this row gets and how many tokens it offers: of the drafter's options
         (`options(seq, k)`: a LookupDrafter offers lookup and its model), the one expected to give
         the most tokens per second for this row; (kind, 0) when none beats not drafting.
@@ -275,12 +280,13 @@ class SpecDecoder:
             return next((o for o in found if o[0] == default), found[0])
         base = self.step_cost(rows)
         slope = self.step_cost(rows + 1) - base
-        best, pick = 1.0 / base, (found[0][0], 0)
+        sync = self.step_cost.sync_penalty
+        best, pick = 1.0 / (base + (sync if sync_now else 0.0)), (found[0][0], 0)
         for kind, offer in found:
             a, d = self.alpha(seq.request_id, kind), self.decline_rate(kind)
             round_s = self.draft_round_seconds() if self._uses_model(kind) else 0.0
             for k in range(1, offer + 1):
-                rate = expected_tokens(a, k) / (base + slope * k * (1.0 - d) + round_s * k)
+                rate = expected_tokens(a, k) / (base + sync + slope * k * (1.0 - d) + round_s * k)
                 if rate > best * (1 + 1e-6):
                     best, pick = rate, (kind, offer)
         return pick
@@ -322,7 +328,7 @@ class SpecDecoder:
             # Structured output is not drafted: its matcher advances on accepted tokens only.
             if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.grammar is None:
                 decodes.append(seq)
-        K, offers, kinds = self._choose(decodes, 1)
+        K, offers, kinds = self._choose(decodes, 1, sync_now=True)
         if self._planned and not K and self.adaptive:
             # Planned a step ago, and the step is synchronous now whatever we do. Judged again,
             # K is 0 only on a knife edge (a step's cost or the counts' aging moved it) or because
@@ -390,7 +396,7 @@ class SpecDecoder:
                 m.lookup_draft_tokens += k
                 m.lookup_accepted_tokens += accepted
         if decode_only and scheduled:
-            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
+            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6), sync=True)
 
     def remove(self, request_id: str) -> None:
         for key in [key for key in self.acceptance if key[0] == request_id]:

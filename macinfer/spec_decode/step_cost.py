@@ -21,22 +21,33 @@ class StepCost:
     ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
     """
 
+    # How fast each kind of step's offset from the fit follows new steps (see `observe`).
+    RESIDUAL_DECAY = 0.9
+
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.s = None  # weighted sums: w, x, y, xx, xy
+        # Mean offset from the fit of steps run synchronously (they draft) and queued ones.
+        self.residual = {True: 0.0, False: 0.0}
 
     def _add(self, x: float, y: float, w: float) -> None:
         s = self.s
         for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
             s[i] += v
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, sync: bool = False) -> None:
         """Add one measured decode step; older ones (and the prior) weigh `decay` times less.
 
         Args:
             tokens: the tokens the step computed (rows x width).
             seconds: its wall time, drafting excluded.
+            sync: a synchronous step (one that drafts, or was planned to): nothing of the host's
+                work per step overlaps a step queued behind it, as it does for queued steps. The
+                two kinds' mean offsets from the one fit say what going synchronous costs.
         """
+        if self.s is not None:
+            r = self.RESIDUAL_DECAY
+            self.residual[sync] = r * self.residual[sync] + (1 - r) * (seconds - self(tokens))
         if self.s is None:
             self.s = [0.0] * 5
             # Prior: two points on the line through this one with the prior slope.
@@ -63,9 +74,15 @@ class StepCost:
         a = max((y - b * x) / w, 1e-6)
         return a, b
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: int, sync: bool | None = None) -> float:
+        """A decode step's time for `tokens`; with `sync`, as that kind of step (synchronous or queued)."""
         a, b = self.coeffs()
-        return a + b * tokens
+        return a + b * tokens + (self.residual[sync] if sync is not None else 0.0)
+
+    @property
+    def sync_penalty(self) -> float:
+        """What a synchronous step costs over a queued one of the same size (seconds, >= 0)."""
+        return max(0.0, self.residual[True] - self.residual[False])
 
 
 def predicted_speedup(cost, round_s: float, rows: int, spec_steps: float, drafted: float, accepted: float,

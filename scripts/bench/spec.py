@@ -113,18 +113,20 @@ def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
 
 
 class VirtualClock:
-    """--simulate A,b,D: time.perf_counter as a cost model, so ratios do not depend on what else runs.
+    """--simulate A,b,D,H: time.perf_counter as a cost model, so ratios do not depend on what else runs.
 
     Each target forward of n tokens (rows x width, padding included) costs A + b x n seconds, each
-    draft round D (the token draft's: 3 x D); nothing else costs time. Everything the engines time
-    (their step costs, which adaptive k weighs; each request's decode rate) reads this clock, so a
-    run shows what each drafting policy would give on a quiet machine with those costs; the real
-    figure needs a real run. Defaults: float32 SmolLM2 on a 2-core x86 with OpenBLAS, quiet: a
-    64 ms step, +9.5 ms per verified token, 4 ms per feature-draft round.
+    draft round D (the token draft's: 3 x D), each synchronous step H more (the host's work per
+    step, which a queued step overlaps with the one before); nothing else costs time. Everything
+    the engines time (their step costs, which adaptive k weighs; each request's decode rate) reads
+    this clock, so a run shows what each drafting policy would give on a quiet machine with those
+    costs; the real figure needs a real run. Defaults: float32 SmolLM2 on a 2-core x86 with
+    OpenBLAS, quiet: a 64 ms step, +9.5 ms per verified token, 4 ms per feature-draft round, 5 ms
+    of host work per step.
     """
 
     def __init__(self, spec: str):
-        self.a, self.b, self.d = (float(x) / 1000 for x in spec.split(","))
+        self.a, self.b, self.d, self.h = (float(x) / 1000 for x in spec.split(","))
         self.now = 0.0
         time.perf_counter = lambda: self.now
 
@@ -133,7 +135,11 @@ class VirtualClock:
 
     def instrument(self, engine) -> None:
         runner = engine.runner
-        forward, launch = runner.run_forward, runner.launch_decode
+        forward, launch, execute = runner.run_forward, runner.launch_decode, runner.execute_model
+
+        def execute_model(scheduled):  # a synchronous step: the host's work is not hidden
+            self.tick(self.h)
+            return execute(scheduled)
 
         def run_forward(tables, starts, tokens, *a, **kw):
             self.tick(self.a + self.b * len(tokens) * max(len(t) for t in tokens))
@@ -143,7 +149,7 @@ class VirtualClock:
             self.tick(self.a + self.b * len(seqs))
             return launch(seqs, tokens)
 
-        runner.run_forward, runner.launch_decode = run_forward, launch_decode
+        runner.run_forward, runner.launch_decode, runner.execute_model = run_forward, launch_decode, execute_model
         if engine.spec is None:
             return
         drafter = getattr(engine.spec.drafter, "model", engine.spec.drafter)
@@ -182,7 +188,7 @@ def heldout_chat(args):
         run_engine(e, [prompts[0]], SamplingParams(max_tokens=4))
     print(f"SmolLM2-135M float32, {len(prompts)} held-out chat prompts, up to {args.tokens} tokens each, one stream, "
           f"greedy, {args.reps} runs per prompt and engine, macinfer k <= {args.k} (adaptive)"
-          + (f"; SIMULATED times (cost model {args.simulate} ms: A, b, D)" if clock else ""), flush=True)
+          + (f"; SIMULATED times (cost model {args.simulate} ms: A, b, D, H)" if clock else ""), flush=True)
     greedy = SamplingParams(max_tokens=args.tokens)
     totals, per_prompt, same = _interleaved(engines, prompts, greedy, args.reps, "prompt")
     never = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
@@ -257,8 +263,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     ap.add_argument("--heldout", type=int, default=0, metavar="N",
                     help="instead: chat speed over N held-out chat prompts (1-48; see above)")
-    ap.add_argument("--simulate", metavar="A,b,D", nargs="?", const="54.5,9.5,4", default="",
-                    help="with --heldout: time by a cost model (ms per forward, per token, per draft round) "
+    ap.add_argument("--simulate", metavar="A,b,D,H", nargs="?", const="54.5,9.5,4,5", default="",
+                    help="with --heldout: time by a cost model (ms per forward, per token, per draft round, per "
+                         "synchronous step) "
                          "instead of the clock, so policies compare on a busy machine (see VirtualClock)")
     ap.add_argument("--engines", default="ngram,feature,tokens,auto",
                     help="with --heldout: the drafters run beside plain (ngram, feature, tokens, auto)")
