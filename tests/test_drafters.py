@@ -431,3 +431,26 @@ def test_pull_with_draft_then_auto_uses_it(root, env, monkeypatch):
     no_mtp = mtp_checkpoint(root / "no-mtp-cli", "qwen3_next", HYBRID["qwen3_next"], with_mtp=False)
     r = CliRunner().invoke(main, ["run", str(no_mtp), "hello", "--no-chat-template", "-n", "2", "--draft", "mtp"])
     assert r.exit_code == 1 and "promises 1 MTP layer" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_the_server_says_which_drafter_each_loaded_model_uses(root, env):
+    """GET /v1/models through the openai client: a loaded model's card names its drafter, and the
+    greedy completion is still the model's own."""
+    import openai
+
+    from macinfer.llm import LLM
+    from macinfer.serve.model_pool import PoolOptions
+    from macinfer.serve.server import create_app, serve_in_thread
+
+    c = build("mtp-qwen3_next", root)
+    other = build("eagle3-speculators", root)
+    app = create_app(LLM(str(c["path"]), num_blocks=60, draft="auto"), model_name="qwen-mtp",
+                     models=PoolOptions(others={"llama7": str(other["path"])},
+                                        load=lambda spec: LLM(spec, num_blocks=60)))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        cards = {m.id: m.model_extra for m in client.models.list().data}
+        assert cards["qwen-mtp"]["draft"] == "mtp+ngram" and "draft" not in cards["llama7"]  # not loaded yet
+        r = client.completions.create(model="qwen-mtp", prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == c["want"][0]

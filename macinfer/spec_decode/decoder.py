@@ -108,9 +108,9 @@ class SpecDecoder:
         adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
     """
 
-    DECAY = 0.9  # per step, a request's own acceptance counts
+    DECAY = 0.97  # per step, a request's own acceptance counts
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
-    PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
+    PRIOR = 2.0  # weight of the pooled rate in a request's estimate
     DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int = 12, adaptive: bool = True):
