@@ -306,6 +306,13 @@ def auto(c, info=None, **kw):
     return engine({**c, "draft": "auto"}, info=info or c["info"], adaptive_speculation=True, **kw)
 
 
+def assert_greedy(e, c):
+    """The prompts served together, k adaptive: mlx-lm's tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    out = run(e, [(i, p, params, f"r{i}") for i, p in enumerate(c["prompts"])])
+    assert [out[f"r{i}"].token_ids for i in range(len(c["prompts"]))] == c["want"]
+
+
 def engine_info(c, **changes):
     return dataclasses.replace(c["info"], **changes)
 
@@ -316,6 +323,7 @@ def test_auto_picks_the_checkpoints_mtp_layers(root, env, kind):
     assert e.draft_choice.kind == "mtp" and "MTP" in e.draft_choice.reason
     assert isinstance(e.spec.drafter, LookupDrafter) and isinstance(e.spec.drafter.model, FeatureDrafter)
     assert e.features.drafter == "mtp+ngram" and "draft: mtp (the checkpoint's own MTP layers)" in e.describe()
+    assert_greedy(e, build(kind, root))
 
 
 def test_mtp_weights_missing_where_the_config_promises_them(root, env, capfd):
@@ -346,6 +354,7 @@ def test_auto_picks_a_catalog_eagle3_draft_on_disk(root, env, tiny_models, capfd
     e = auto(c, info)
     assert e.draft_choice.kind == "eagle3" and e.draft_choice.name == "tiny/llama7-eagle3"
     assert e.features.drafter == "tiny/llama7-eagle3+ngram"
+    assert_greedy(e, c)
     # A draft for another model: made for a 96-wide target, or for another 64-wide one (its copy of
     # the embedding differs). Skipped in one line each; named explicitly, refused.
     other = _llama(root, "llama7-other", num_layers=7, seed=9)
@@ -382,6 +391,7 @@ def test_auto_picks_a_smaller_model_with_the_same_tokenizer(root, env):
     e = auto(c)
     assert e.draft_choice.kind == "model" and e.draft_choice.name == "small-draft"
     assert isinstance(e.spec.drafter.model, DraftModelDrafter) and e.features.drafter == "small-draft+ngram"
+    assert_greedy(e, c)
 
 
 def test_auto_where_nothing_pays_or_nothing_is_found(root, env, tiny_models):

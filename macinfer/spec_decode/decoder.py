@@ -30,8 +30,11 @@ and when no row would draft with the model), r_i how often the drafter lately de
 row of that kind (a feature draft unsure of its first token drafts nothing: the round is
 paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is
 what the drafter can propose (an n-gram drafter often has nothing, or a short match).
-Counts decay while a request does not draft, so its estimate drifts back to the prior
-and it probes again now and then.
+A request's counts fade fast while it drafts (its latest drafts say most) and slowly while
+it does not, so its estimate drifts back to the prior and it probes again now and then. A
+step that goes synchronous to draft also pays what queueing it would have hidden
+(StepCost.sync_penalty). Where the drafter offers several kinds for a row (a LookupDrafter:
+lookup or its model), the row takes the one expected to give the most tokens per second.
 """
 
 from __future__ import annotations
@@ -108,7 +111,14 @@ class SpecDecoder:
         adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
     """
 
-    DECAY = 0.97  # per step, a request's own acceptance counts
+    # A request's own acceptance counts: what it drafted lately weighs most (ASK_DECAY per step it
+    # was asked to draft), and while it is not asked they fade slowly (IDLE_DECAY per step) back to
+    # the prior, so it is asked again now and then. NOTE: its own counts reach 1 / (1 - ASK_DECAY)
+    # asks at most, which must outweigh the prior (PRIOR pooled asks): else a text where drafts
+    # never pay (words sampled at random) keeps an estimate near the pooled rate, and is asked
+    # every step.
+    ASK_DECAY = 0.9
+    IDLE_DECAY = 0.97
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
     PRIOR = 2.0  # weight of the pooled rate in a request's estimate
     DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
@@ -159,8 +169,9 @@ class SpecDecoder:
     def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True) -> None:
         if own:
             a = self.acceptance.setdefault((request_id, kind), _Acceptance())
-            a.accepted += accepted
-            a.tried += tried
+            fade = self.ASK_DECAY / self.IDLE_DECAY  # asked this step: ASK_DECAY in all
+            a.accepted = fade * a.accepted + accepted
+            a.tried = fade * a.tried + tried
         pool = self._pool(kind)
         pool.accepted += accepted
         pool.tried += tried
@@ -226,8 +237,8 @@ class SpecDecoder:
         for rid in {r for r, _ in self.acceptance if r not in live}:
             self.remove(rid)
         for a in self.acceptance.values():
-            a.accepted *= self.DECAY
-            a.tried *= self.DECAY
+            a.accepted *= self.IDLE_DECAY
+            a.tried *= self.IDLE_DECAY
         for kind, pool in self.pooled.items():  # drifts back to the prior while unused
             pool.accepted = self.POOL_DECAY * pool.accepted + (1 - self.POOL_DECAY) * self._prior(kind)
             pool.tried = self.POOL_DECAY * pool.tried + (1 - self.POOL_DECAY)
