@@ -28,6 +28,7 @@ evaluated with that forward's hidden states, of whose graph they are part.
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,7 +37,8 @@ import mlx.nn as nn
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.errors import MacinferError
 
-# The target's layers recorded by each tapped layer instance: id(layer) -> [(taps, layer index)].
+# What each tapped layer instance records into: id(layer) -> [(weak reference to a LayerTaps, layer
+# index)]. Weak: a draft's taps go with its engine (the drafter holds them), not with the model.
 _TAPS: dict[int, list] = {}
 _TAPPED_CLASSES: dict[type, type] = {}
 
@@ -53,12 +55,14 @@ class LayerTaps:
             _tap(layers[i], self, i)
 
     def take(self) -> mx.array:
-        """The recorded inputs, concatenated in layer order: (B, L, len(ids) * D)."""
+        """The inputs recorded by the latest forward, concatenated in layer order: (B, L, len(ids) * D)."""
         missing = [i for i in self.ids if i not in self.seen]
         if missing:
             raise MacinferError(f"the target's layer {missing[0]} did not run in its forward: "
                                 "an EAGLE-3 draft cannot read it")
-        return mx.concatenate([self.seen[i] for i in self.ids], axis=-1)
+        out = mx.concatenate([self.seen[i] for i in self.ids], axis=-1)
+        self.seen = {}
+        return out
 
 
 def _tap(layer: nn.Module, taps: LayerTaps, index: int) -> None:
@@ -68,13 +72,16 @@ def _tap(layer: nn.Module, taps: LayerTaps, index: int) -> None:
         sub = _TAPPED_CLASSES.get(cls)
         if sub is None:
             def __call__(self, x, *args, _base=cls, **kwargs):
-                for t, i in _TAPS.get(id(self), ()):
-                    t.seen[i] = x
+                for ref, i in _TAPS.get(id(self), ()):
+                    t = ref()
+                    if t is not None:
+                        t.seen[i] = x
                 return _base.__call__(self, x, *args, **kwargs)
 
             sub = _TAPPED_CLASSES[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
         layer.__class__ = sub
-    _TAPS.setdefault(id(layer), []).append((taps, index))
+    found = _TAPS.setdefault(id(layer), [])
+    found[:] = [(ref, i) for ref, i in found if ref() is not None] + [(weakref.ref(taps), index)]
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

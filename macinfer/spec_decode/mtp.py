@@ -72,13 +72,12 @@ def mtp_keys(path: Path, config: dict) -> dict[str, Path]:
     if config.get("model_type") not in QWEN + DEEPSEEK:
         return {}
     prefix = _prefix(config)
-    index = Path(path) / "model.safetensors.index.json"
-    found: dict[str, Path] = {}
-    try:
-        names = json.loads(index.read_text())["weight_map"]
+    try:  # a sharded checkpoint's index names every tensor's file
+        names = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
         return {k: Path(path) / f for k, f in names.items() if k.startswith(prefix)}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
+    found: dict[str, Path] = {}
     for f in weight_files(path):
         try:
             found.update({k: f for k in safetensors_header(f) if k.startswith(prefix)})
