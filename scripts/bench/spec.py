@@ -243,6 +243,11 @@ def _report(engines, totals, per_prompt, random_ratio, same):
               f"{statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max; never-repeating text "
               f"{random_ratio[k][0]:.2f}x), {accepted} of {drafted} drafts accepted ({accepted / max(drafted, 1):.2f})",
               flush=True)
+        spec = engines[k].spec
+        if spec is not None and spec.step_cost.ready:  # what adaptive k weighed, as the engine measured it
+            a, b = spec.step_cost.coeffs()
+            print(f"           step = {1e3 * a:.1f} + {1e3 * b:.1f} ms x tokens, synchronous step +"
+                  f"{1e3 * spec.step_cost.sync_penalty:.1f} ms, draft round {1e3 * spec.draft_round_seconds():.1f} ms")
     print(f"greedy outputs identical to plain: {'yes' if same else 'NO'}")
     if "auto" in overall:
         singles = {k: v for k, v in overall.items() if k not in ("auto", "cand", "cand+ng")}
