@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+# NOTE: not this script's own folder first: its gguf.py would shadow the gguf package macinfer imports.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 
