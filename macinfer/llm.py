@@ -24,6 +24,8 @@ from typing import Iterable, Iterator
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
 from macinfer.kv.model_probe import UnseenAttention
+from macinfer.modelio.multimodal import MultiModalInputs
+from macinfer.modelio.vision import ImageEncoder, vision_status
 from macinfer.core.outputs import RequestOutput, StreamDelta
 from macinfer.core.sampling import SamplingParams
 
@@ -59,6 +61,8 @@ class LLM:
             raise MacinferError("the mlx-lm engine cannot run across ranks: use the paged engine")
         self.model, self.tokenizer, self.info = load_model(
             model, dequantize=dequantize, **({"group": self.ranks.group, "parallel": self.ranks.parallel} if self.ranks else {}))
+        # A vision-language model's eyes (macinfer.modelio.vision), where mlx-vlm can give them; None: text only.
+        self.images = load_images(self.info, self.model) if self.ranks is None and engine != "mlx-lm" else None
         if self.ranks is not None:
             self.ranks.parallel = self.info.extra["parallel"]
             engine_options = distributed.engine_options(self.ranks, engine_options)
@@ -70,7 +74,9 @@ class LLM:
                                                                ranks=self.ranks, **engine_options)
         else:
             self.engine_kind, self.engine = make_engine(self.model, self.tokenizer, self.info, engine,
-                                                        **engine_options)
+                                                        images=self.images, **engine_options)
+            if self.engine_kind != "paged":
+                self.images = None
         self.engine_options = engine_options
 
     def close(self) -> None:
@@ -100,15 +106,54 @@ class LLM:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise MacinferError(f"the model's chat template failed on these messages ({why})") from None
 
+    def image_prompt(self, messages: list[dict] | str, images: list,
+                     tools: list[dict] | None = None) -> tuple[list[int], MultiModalInputs]:
+        """A prompt with images: its token ids (each image's tokens in place) and its MultiModalInputs.
+
+        Args:
+            messages: chat messages whose content lists hold {"type": "image"} parts where the images go
+                (in order), rendered by the chat template; or raw text, the images placed before it.
+            images: RGB PIL images (macinfer.modelio.images.read_image), one per image part.
+            tools: OpenAI's function schemas, for the chat template.
+
+        Raises:
+            MacinferError: the model does not see, or the images do not fit the prompt.
+        """
+        if self.images is None:
+            status = vision_status(self.info.config)
+            why = "it is a text-only model" if status == "no" else status.replace("yes, ", "it sees but runs ", 1)
+            raise MacinferError(f"{self.info.name} does not take images: {why}")
+        text = (self.images.placeholder * len(images) + messages if isinstance(messages, str)
+                else self._template_text(messages, len(images), tools))
+        return self.images.process(text, images)
+
+    def _template_text(self, messages: list[dict], num_images: int, tools: list[dict] | None = None) -> str:
+        """The chat template's text for messages with image parts. A template that drops the image parts
+        (text only) gets the model's placeholders in front of each message's text instead."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise MacinferError("this model has no chat template: send raw text instead")
+        try:
+            kw = {"tools": tools} if tools else {}
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+            if text.count(self.images.placeholder) != num_images:
+                flat = [{**m, "content": _flatten_parts(m.get("content"), self.images.placeholder)} for m in messages]
+                text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kw)
+        except Exception as e:  # jinja's TemplateError, raise_exception() in the template ...
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MacinferError(f"the model's chat template failed on these messages ({why})") from None
+        return text
+
     # -- generation ------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               mm: MultiModalInputs | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas as tokens are produced; the last delta carries the output.
 
-        Closing the generator early aborts the request (its blocks are freed).
+        Closing the generator early aborts the request (its blocks are freed). `mm`: the prompt's
+        images (`image_prompt` makes both).
         """
         ids = self.encode(prompt)
         self.info.check_context(len(ids))
-        rid = self.engine.add_request(ids, params or SamplingParams())
+        rid = self.engine.add_request(ids, params or SamplingParams(), **({"mm": mm} if mm is not None else {}))
         done = False
         try:
             while not done:
@@ -162,7 +207,28 @@ class LLM:
 ENGINES = ("auto", "paged", "mlx-lm")
 
 
-def make_engine(model, tokenizer, info, engine: str = "auto", **options):
+def load_images(info, model):
+    """The image encoder of a vision-language model (macinfer.modelio.vision), or None (one line on stderr
+    when the model sees but macinfer runs its text only)."""
+    import mlx.core as mx
+
+    status = vision_status(info.config)
+    if status == "no":
+        return None
+    if status != "yes":
+        print(f"note: {info.name} sees, but runs text only: {status.split('(', 1)[-1].rstrip(')')}", file=sys.stderr)
+        return None
+    return ImageEncoder.load(info.path, model, info.config, cast_float32=not mx.metal.is_available())
+
+
+def _flatten_parts(content, placeholder: str):
+    """A message's content as one string, each image part as the model's placeholder."""
+    if not isinstance(content, list):
+        return content
+    return "".join(placeholder if p.get("type") in ("image", "image_url") else p.get("text", "") for p in content)
+
+
+def make_engine(model, tokenizer, info, engine: str = "auto", images=None, **options):
     """The engine for a loaded model: ("paged", LLMEngine) or ("mlx-lm", DenseEngine).
 
     "auto" asks the paged engine's own check (inspect_model) and then runs one 2-token
@@ -182,14 +248,14 @@ def make_engine(model, tokenizer, info, engine: str = "auto", **options):
             raise MacinferError(f"the mlx-lm engine has no {' or '.join(asked)}: use the paged engine")
         return "mlx-lm", DenseEngine(model, tokenizer, info, **options)
     if engine == "paged":
-        return "paged", LLMEngine(model, tokenizer, info, **options)
+        return "paged", LLMEngine(model, tokenizer, info, images=images, **options)
     from macinfer.kv.model_probe import inspect_model
 
     try:
         inspect_model(model, model_type)
     except MacinferError as refusal:
         return "mlx-lm", _fall_back(refusal, model_type, model, tokenizer, info, options)
-    paged = LLMEngine(model, tokenizer, info, **options)  # its own errors (a KV budget too small) are the user's
+    paged = LLMEngine(model, tokenizer, info, images=images, **options)  # its own errors (a KV budget too small) are the user's
     try:
         _first_forward(paged)
     except MacinferError as refusal:

@@ -82,7 +82,7 @@ BAD: dict[str, tuple] = {
     "stream-options-alone": ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400,
                              "stream_options"),
     "response-format-unknown": ("/v1/chat/completions", chat(response_format={"type": "xml"}), 400,
-                                "response_format"),
+                                "response_format.type"),
     "schema-invalid": ("/v1/chat/completions", schema({"type": "frob"}), 400, "response_format"),
     "schema-degenerate": ("/v1/chat/completions", schema({"$ref": "#"}), 400, "response_format"),
     "schema-impossible": ("/v1/chat/completions", schema({"type": "string", "minLength": 5, "maxLength": 2}), 400,
@@ -191,13 +191,6 @@ async def check_n4(client) -> str | None:
     return None
 
 
-def settle(llm, aengine, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (aengine.num_active or llm.engine.has_unfinished()):
-        time.sleep(0.05)
-    return llm.engine.kv_stats()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="any model `macinfer run` takes (default: the embedded SmolLM2), "
@@ -208,6 +201,7 @@ def main() -> int:
     import httpx2 as httpx  # the HTTP client the openai SDK installs here
     from macinfer.llm import LLM
     from macinfer.serve.server import create_app, serve_in_thread
+    from soak import settle  # scripts/soak.py: wait for aborts to reach the engine
 
     model = a.model
     if model == "tiny":

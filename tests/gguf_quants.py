@@ -7,7 +7,7 @@ writes; the tests' oracle is `gguf.quants.dequantize` of those same blocks. Type
 itself (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, BF16) go to `gguf.quants.quantize`.
 
 The quality is llama.cpp's without its search for better scales: good enough to re-encode
-real weights (scripts/bench/gguf.py) and keep a model answering.
+real weights (scripts/bench/gguf_decode.py) and keep a model answering.
 """
 
 from __future__ import annotations

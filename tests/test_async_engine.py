@@ -95,7 +95,7 @@ def test_a_burst_of_requests_to_an_idle_engine_is_stepped_together():
     def sender():
         for i in range(6):
             aengine._streams[f"r{i}"] = (loop, asyncio.Queue())  # as generate() registers its stream
-            aengine._send(("add", f"r{i}", [1], SamplingParams(max_tokens=1), None))
+            aengine._send(("add", f"r{i}", [1], SamplingParams(max_tokens=1), None, None))
             time.sleep(0.01)
 
     t = threading.Thread(target=sender)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import shutil
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -334,34 +335,146 @@ def test_macinfer_run_twice_skips_the_cached_system_prompt(tiny_models, tmp_path
     assert cold["token_ids"] == warm["token_ids"] == off["token_ids"]
 
 
-def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
-    """A file holds (block_size, n_kv_heads, head_dim) per tensor, as before the pools went
-    head-major: files saved by older versions load into the right slots, unchanged."""
+def test_a_corrupt_cache_file_is_one_warning_line_for_a_user(tiny_models, tmp_path):
+    """`macinfer run` meets a damaged block file: one `warning: prefix cache: ...` line on stderr, not
+    Python's warning with a source path and a code line; the reply is the same."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MACINFER_PREFIX_CACHE_DIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "macinfer", "run", str(tiny_models("llama")), "x " * 40, "-n", "4",
+            "--no-chat-template", "--peak-bandwidth", "100"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    block = sorted(tmp_path.glob("*/*.safetensors"))[0]
+    data = bytearray(block.read_bytes())
+    data[-3] ^= 0x40
+    block.write_bytes(bytes(data))
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    warned = [line for line in second.stderr.splitlines() if "prefix cache" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: prefix cache: ignoring "), second.stderr
+    assert "Warning:" not in second.stderr and ".py:" not in second.stderr
+
+
+def pools(H, nb, bs, dims, dtype, seed):
+    """One layer's k / v pools (head-major slots) of random values, as a PagedKVCache holds them."""
     from types import SimpleNamespace
+
+    k, v = (mx.random.normal((H, nb * bs, d), key=mx.random.key(seed + i)).astype(dtype) for i, d in enumerate(dims))
+    return SimpleNamespace(k_pool=k, v_pool=v, state=[k, v])
+
+
+def test_block_files_stay_token_major_whatever_the_pool_layout(tmp_path):
+    """A file is one safetensors tensor of the block's bytes: each pool's part (block_size,
+    n_kv_heads, head_dim), token-major, as the layout in its metadata says (read back here with
+    MLX's own safetensors reader); it loads into the right slots of another engine's pools.
+    K and V head dims differ (MLA-style) and one layer is bfloat16 (no numpy dtype)."""
+    import json
 
     from macinfer.prefix_cache.disk import FORMAT, DiskPrefixStore
 
-    bs, H, D, nb = 4, 2, 8, 6
-    rng = random.Random(0)
-    full = [mx.array([[[rng.random() for _ in range(D)] for _ in range(nb * bs)] for _ in range(H)])
-            for _ in range(2)]
-    src = [SimpleNamespace(k_pool=full[0], v_pool=full[1], state=full)]
+    bs, H, nb = 4, 2, 6
+    src = [pools(H, nb, bs, (8, 4), mx.float32, 0), pools(H, nb, bs, (8, 4), mx.bfloat16, 2)]
     store = DiskPrefixStore(tmp_path / "m", "m", src, bs, 1 << 30)
     h, ids_ = b"\x01" * 32, [5, 6, 7, 8]
     assert store.save([(h, ids_, 3)]) == 1  # block 3 = slots 12..15
     arrays, meta = mx.load(str(tmp_path / "m" / f"{h.hex()}.safetensors"), return_metadata=True)
-    assert meta["format"] == FORMAT == "macinfer-prefix-block/2"
-    assert arrays["k.0"].shape == (bs, H, D)
-    assert mx.array_equal(arrays["k.0"], full[0][:, 12:16].transpose(1, 0, 2)).item()
+    assert meta["format"] == FORMAT == "macinfer-prefix-block/3" and list(arrays) == ["kv"]
+    layout = json.loads(meta["layout"])
+    assert layout == [["k.0", [bs, H, 8], "float32"], ["v.0", [bs, H, 4], "float32"],
+                      ["k.1", [bs, H, 8], "bfloat16"], ["v.1", [bs, H, 4], "bfloat16"]]
+    offset = 0
+    for (name, shape, dtype), c in zip(layout, [src[0], src[0], src[1], src[1]]):
+        pool = c.k_pool if name[0] == "k" else c.v_pool
+        size = shape[0] * shape[1] * shape[2] * pool.dtype.size
+        part = arrays["kv"][offset: offset + size].view(getattr(mx, dtype)).reshape(shape)
+        assert mx.array_equal(part, pool[:, 12:16].transpose(1, 0, 2)).item(), name
+        offset += size
+    assert offset == arrays["kv"].size
 
-    zeros = [mx.zeros((H, nb * bs, D)) for _ in range(2)]
-    dst = [SimpleNamespace(k_pool=zeros[0], v_pool=zeros[1], state=zeros)]
+    dst = [pools(H, nb, bs, (8, 4), dt, 9) for dt in (mx.float32, mx.bfloat16)]
+    before = [(c.k_pool, c.v_pool) for c in dst]
     store2 = DiskPrefixStore(tmp_path / "m", "m", dst, bs, 1 << 30)
     assert store2.load([(h, ids_, 5)]) == 1  # into block 5 = slots 20..23
-    k, v = dst[0].k_pool, dst[0].v_pool
-    assert mx.array_equal(k[:, 20:24], full[0][:, 12:16]).item()
-    assert mx.array_equal(v[:, 20:24], full[1][:, 12:16]).item()
-    assert not k[:, :20].any().item() and not v[:, :20].any().item()
+    for c, s, (k0, v0) in zip(dst, src, before):
+        assert mx.array_equal(c.k_pool[:, 20:24], s.k_pool[:, 12:16]).item()
+        assert mx.array_equal(c.v_pool[:, 20:24], s.v_pool[:, 12:16]).item()
+        assert mx.array_equal(c.k_pool[:, :20], k0[:, :20]).item() and mx.array_equal(c.v_pool[:, :20], v0[:, :20]).item()
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="counts read calls with Linux's /proc/self/io")
+def test_a_load_reads_each_file_whole_whatever_the_layers(tmp_path):
+    """Loading n blocks issues a few read calls per file (header, then all its bytes), not one per
+    layer's K and V: the kernel's count of this process's read calls is the oracle. (Reading tensor
+    by tensor took 62 read calls a file: 7,750 for the 125 files of a 2,000-token SmolLM2 prefix.)"""
+    from macinfer.prefix_cache.disk import DiskPrefixStore
+
+    def read_calls() -> int:
+        return int(next(line for line in open("/proc/self/io") if line.startswith("syscr")).split()[1])
+
+    bs, H, L, n = 16, 2, 30, 20
+    src = [pools(H, n + 1, bs, (8, 8), mx.float32, i) for i in range(L)]
+    entries = [(bytes([j]) * 32, list(range(j * bs, (j + 1) * bs)), j + 1) for j in range(n)]
+    assert DiskPrefixStore(tmp_path / "m", "m", src, bs, 1 << 30).save(entries) == n
+    dst = [pools(H, n + 1, bs, (8, 8), mx.float32, 100 + i) for i in range(L)]
+    store = DiskPrefixStore(tmp_path / "m", "m", dst, bs, 1 << 30)
+    before = read_calls()
+    assert store.load(entries) == n
+    assert read_calls() - before <= 3 * n + 5  # 8-byte length, header, data; + reading the counter
+    for s, d in zip(src, dst):  # every block in its slots
+        assert mx.array_equal(d.k_pool[:, bs:], s.k_pool[:, bs:]).item()
+        assert mx.array_equal(d.v_pool[:, bs:], s.v_pool[:, bs:]).item()
+
+
+@pytest.mark.parametrize("order", ["consecutive", "three runs", "scattered"])
+def test_loaded_blocks_land_in_their_slots_however_the_ids_fall(tmp_path, order):
+    """Blocks go into the pools by runs of consecutive ids: however many runs, block j's rows land in
+    block id[j]'s slots and nothing else changes (float32 and bfloat16 pools)."""
+    from macinfer.prefix_cache.block_file import slot_runs
+    from macinfer.prefix_cache.disk import DiskPrefixStore
+
+    bs, H, n, nb = 4, 2, 20, 64
+    ids_ = {"consecutive": list(range(30, 30 + n)), "three runs": [*range(5, 12), *range(40, 47), *range(20, 26)],
+            "scattered": list(range(60, 60 - 2 * n, -2))}[order]
+    runs = len(slot_runs(ids_, bs))
+    assert runs == {"consecutive": 1, "three runs": 3, "scattered": n}[order]
+    src = [pools(H, nb, bs, (8, 4), mx.float32, 0), pools(H, nb, bs, (8, 4), mx.bfloat16, 2)]
+    entries = [(bytes([j]) * 32, list(range(j * bs, (j + 1) * bs)), j + 1) for j in range(n)]
+    assert DiskPrefixStore(tmp_path / "m", "m", src, bs, 1 << 30).save(entries) == n
+    dst = [pools(H, nb, bs, (8, 4), dt, 9) for dt in (mx.float32, mx.bfloat16)]
+    want = [[mx.array(c.k_pool), mx.array(c.v_pool)] for c in dst]
+    for (k, v), s in zip(want, src):
+        for j, b in enumerate(ids_):  # block j (saved from block j + 1) belongs in block b
+            k[:, b * bs:(b + 1) * bs] = s.k_pool[:, (j + 1) * bs:(j + 2) * bs]
+            v[:, b * bs:(b + 1) * bs] = s.v_pool[:, (j + 1) * bs:(j + 2) * bs]
+    assert DiskPrefixStore(tmp_path / "m", "m", dst, bs, 1 << 30).load(
+        [(h, t, b) for (h, t, _), b in zip(entries, ids_)]) == n
+    for c, (k, v) in zip(dst, want):
+        assert mx.array_equal(c.k_pool, k).item() and mx.array_equal(c.v_pool, v).item()
+
+
+def test_files_of_an_older_format_are_all_removed_with_one_warning(load, tmp_path):
+    """After an upgrade, the first file of the old format met removes every one of this model's
+    (one warning, not one per run as each file is met); the prompt is recomputed and saved again."""
+    model, tok = load("llama")
+    prompt = list(range(50, 75))  # 6 full blocks of 4
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = oracle(model, prompt, 6)[0]
+    first = persistent(model, tok, tmp_path)
+    run(first, [(0, prompt, params, "a")])
+    files = sorted((tmp_path / first.model_id).glob("*.safetensors"))
+    for f in files:  # as an older macinfer wrote them (the format name is all that is read)
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        mx.save_safetensors(str(f), arrays, metadata={**meta, "format": "macinfer-prefix-block/2"})
+    with pytest.warns(RuntimeWarning, match="prefix-block/2") as record:
+        out = run(persistent(model, tok, tmp_path), [(0, prompt, params, "a")])["a"][0]
+    msgs = [str(w.message) for w in record if "prefix cache" in str(w.message)]
+    assert len(msgs) == 1 and f"removed {len(files)} such file(s)" in msgs[0]
+    assert out.metrics.cached_tokens == 0 and out.token_ids == want
+    again = run(persistent(model, tok, tmp_path), [(0, prompt, params, "a")])["a"][0]
+    assert again.metrics.cached_tokens == 24 and again.token_ids == want
 
 
 def test_stale_temp_files_are_removed_when_a_store_opens(tmp_path):

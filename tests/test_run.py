@@ -117,7 +117,7 @@ def test_seeded_sampling_is_reproducible(tiny_models):
     [
         (["/nonexistent/model", "hi"], "no such model"),
         (["{tiny}", ""], "prompt is empty"),
-        (["{tiny}", "hi", "--temp", "-1"], "temperature must be >= 0"),
+        (["{tiny}", "hi", "--temp", "-1"], "temperature must be a number from 0 to 2"),
         (["{tiny}", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["{tiny}", "hi", "--max-tokens", "0"], "max_tokens must be"),

@@ -215,7 +215,7 @@ def test_unknown_model_is_a_404_naming_it_and_metrics_carry_model_labels(paths):
         page = httpx.get(url + "/metrics", timeout=30).text.splitlines()
     for line in ('macinfer_generation_tokens_total{model="tiny-llama"} 3.0',
                  'macinfer_generation_tokens_total{model="tiny-qwen2"} 4.0',
-                 'macinfer_requests_total{endpoint="completions",finish_reason="length",model="tiny-qwen2"} 1.0',
+                 'macinfer_requests_total{endpoint="completions",finish_reason="length",model="tiny-qwen2",protocol="openai"} 1.0',
                  'macinfer_kv_blocks_total{model="tiny-llama"} 32.0',
                  'macinfer_kv_blocks_total{model="tiny-qwen2"} 32.0',
                  'macinfer_requests_in_flight{model="tiny-qwen2"} 0.0',

@@ -161,7 +161,7 @@ async def test_slash_commands(tiny, tmp_path):
         assert app.session.temperature == 0.7 and "temperature 0.7" in notices(app)
         assert "temp 0.7" in status(app)
         await send(pilot, "/temp -1")
-        assert app.session.temperature == 0.7 and "temperature must be >= 0" in notices(app)[-1]
+        assert app.session.temperature == 0.7 and "temperature must be a number from 0 to 2" in notices(app)[-1]
         await send(pilot, "/max-tokens 5")
         assert app.session.max_tokens == 5 and "max 5 tok" in status(app)
         await send(pilot, "/max-tokens lots")

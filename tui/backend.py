@@ -11,6 +11,7 @@ which the UI shows as "n/a".
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from macinfer.errors import MacinferError
@@ -23,6 +24,17 @@ if TYPE_CHECKING:  # importing these loads MLX and mlx-lm: seconds, done in load
     from macinfer.engine.protocol import Engine
 
 Progress = Callable[[str, int, "int | None"], None]  # (what, done, total or None)
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with images: its token ids and its images (macinfer.modelio.multimodal)."""
+
+    ids: list[int]
+    mm: object
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def find_peak(override: float | None):
@@ -122,6 +134,8 @@ class ChatBackend:
         Through macinfer.chat when the model has a chat template (its thought split from its
         answer; `think` is enable_thinking, None: the template's default); plain text otherwise.
         """
+        if any(m.get("images") for m in messages):
+            return self._image_prepare(messages, params, think)
         if not getattr(self.llm.tokenizer, "chat_template", None):
             return self.encode(messages), params, None
         from macinfer.chat.request import ChatRequest, prepare
@@ -129,10 +143,31 @@ class ChatBackend:
         prepared = prepare(self.llm.tokenizer, ChatRequest(messages, enable_thinking=think), params)
         return prepared.prompt_ids, prepared.params, prepared.new_parser()
 
+    def _image_prepare(self, messages: list[dict], params: SamplingParams, think: bool | None):
+        """`prepare` for a conversation whose turns attach images (paths, macinfer.tui.session): they are
+        read here, in the engine process, each placed before its turn's text; an ImagePrompt comes back."""
+        from macinfer.chat.request import ChatRequest, prepare
+        from macinfer.modelio.images import read_image
+
+        if self.llm.images is None:
+            raise MacinferError(f"{self.info.name} does not take images: /image - drops the attachment")
+        pics = [read_image(p, f"image {p}") for m in messages for p in m.get("images", ())]
+        if not getattr(self.llm.tokenizer, "chat_template", None):
+            text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+            return ImagePrompt(*self.llm.image_prompt(text, pics)), params, None
+        turns = [{k: v for k, v in m.items() if k != "images"} | (
+            {"content": [{"type": "image"} for _ in m["images"]] + [{"type": "text", "text": m["content"]}]}
+            if m.get("images") else {}) for m in messages]
+        prepared = prepare(self.llm.tokenizer, ChatRequest(turns, enable_thinking=think), params, images=pics,
+                           vision=self.llm.images)
+        return ImagePrompt(prepared.prompt_ids, prepared.mm), prepared.params, prepared.new_parser()
+
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
+    def add_request(self, prompt: list[int] | ImagePrompt, params: SamplingParams, request_id: str) -> str:
         """Queue a request; raises MacinferError if it cannot fit the context or the KV pool."""
-        return self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+        if isinstance(prompt, ImagePrompt):
+            return self.engine.add_request(prompt.ids, params, request_id=request_id, mm=prompt.mm)
+        return self.engine.add_request(prompt, params, request_id=request_id)
 
     def step(self) -> list[StreamDelta]:
         """One engine step: a delta for every request that moved (the last one has .output)."""
@@ -205,5 +240,6 @@ class ChatBackend:
 
         self.llm.engine = self.engine = None
         gc.collect()  # drop the old KV pool before allocating the new one
-        self.llm.engine_kind, self.engine = make_engine(self.llm.model, self.llm.tokenizer, self.info, **options)
+        self.llm.engine_kind, self.engine = make_engine(self.llm.model, self.llm.tokenizer, self.info,
+                                                        images=self.llm.images, **options)
         self.llm.engine = self.engine

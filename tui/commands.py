@@ -17,6 +17,7 @@ COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("model", "MODEL", "switch model (catalog name, directory, .gguf, repo id)", "Switch model"),
     SlashCommand("system", "[TEXT | -]", "set the system prompt; no TEXT shows it, - removes it", "Set the system prompt"),
     SlashCommand("clear", "", "clear the conversation (keeps the system prompt)", "Clear the chat"),
+    SlashCommand("image", "FILE", "attach an image to your next message (vision-language models)", "Attach an image"),
     SlashCommand("temp", "T", "sampling temperature, 0 is greedy", "Set the temperature"),
     SlashCommand("max-tokens", "N", "longest reply, in tokens", "Set max tokens"),
     SlashCommand("think", "[on|off]", "let a thinking model think before it answers, or not", "Toggle thinking"),

@@ -13,10 +13,13 @@ include_usage) gives the exact counts of the finished reply.
 
 from __future__ import annotations
 
+import base64
+import mimetypes
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -135,12 +138,13 @@ class RemoteBackend:
 
     # -- requests ---------------------------------------------------------------------
     def encode(self, messages: list[dict]) -> ChatPrompt:
-        return ChatPrompt(messages)
+        """The conversation as OpenAI messages: a turn's attached images (paths) go as data-URL image parts."""
+        return ChatPrompt([_with_image_parts(m) for m in messages])
 
     def prepare(self, messages: list[dict], params: SamplingParams, think: bool | None = None):
         """(the conversation to send, sampling, its parser): the server splits the thought itself
         (`reasoning_content` deltas), RemoteReply only sorts the pieces."""
-        prompt = ChatPrompt(messages)
+        prompt = self.encode(messages)
         prompt.think = think
         return prompt, params, RemoteReply()
 
@@ -311,3 +315,19 @@ def find_model(client, root: str, spec: str | None) -> tuple[str, int]:
     name = spec or (names[0] if names else "default_model")  # mlx_lm.server's name for its model
     ctx = next((getattr(m, "max_model_len", None) for m in models if m.id == name), None)
     return name, int(ctx or 0)
+
+
+def _with_image_parts(message: dict) -> dict:
+    """An OpenAI message from a session turn: its `images` (paths) as image_url parts before its text."""
+    images = message.get("images")
+    if not images:
+        return {k: v for k, v in message.items() if k != "images"}
+    parts = []
+    for p in images:
+        try:
+            data = Path(p).read_bytes()
+        except OSError as e:
+            raise MacinferError(f"cannot read the attached image {p}: {e.strerror or type(e).__name__}") from None
+        kind = mimetypes.guess_type(p)[0] or "image/png"
+        parts.append({"type": "image_url", "image_url": {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}})
+    return {"role": message["role"], "content": parts + [{"type": "text", "text": message["content"]}]}

@@ -31,9 +31,11 @@ class ChatSession:
     think: bool | None = None  # /think on|off: enable_thinking for the template (None: its default)
     turns: list[dict] = field(default_factory=list)
 
-    def add(self, role: str, content: str, reasoning: str | None = None) -> None:
-        """A turn; an assistant's thought (reasoning) is kept beside it, for the template and /save."""
-        self.turns.append({"role": role, "content": content} | ({"reasoning": reasoning} if reasoning else {}))
+    def add(self, role: str, content: str, reasoning: str | None = None, images: list[str] | None = None) -> None:
+        """A turn; an assistant's thought (reasoning) is kept beside it, for the template and /save; `images`:
+        paths of the images a user turn shows the model (before its text)."""
+        self.turns.append({"role": role, "content": content} | ({"reasoning": reasoning} if reasoning else {})
+                          | ({"images": list(images)} if images else {}))
 
     def clear(self) -> None:
         self.turns.clear()
@@ -52,7 +54,7 @@ class ChatSession:
         if self.system:
             lines += ["## System", "", self.system, ""]
         for t in self.turns:
-            lines += [f"## {t['role'].capitalize()}", ""]
+            lines += [f"## {t['role'].capitalize()}", ""] + [f"![image]({p})" for p in t.get("images", ())]
             if t.get("reasoning"):
                 lines += ["<details><summary>Thought</summary>", "", t["reasoning"].rstrip(), "", "</details>", ""]
             lines += [t["content"].rstrip(), ""]
@@ -88,8 +90,11 @@ class ChatSession:
             if role not in ("system", "user", "assistant") or not isinstance(m.get("content"), str) \
                     or (role == "system" and i > 0) or not isinstance(m.get("reasoning", ""), str):
                 raise ValueError(f"messages[{i}] is not a user or assistant turn (or a leading system prompt)")
+            images = m.get("images", [])
+            if not isinstance(images, list) or not all(isinstance(p, str) for p in images) or (images and role != "user"):
+                raise ValueError(f"messages[{i}].images must be a list of image paths, on a user turn")
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
-        turns = [{k: m[k] for k in ("role", "content", "reasoning") if k in m}
+        turns = [{k: m[k] for k in ("role", "content", "reasoning", "images") if m.get(k) or k in ("role", "content")}
                  for m in messages if m["role"] != "system"]
         return cls(system=system, temperature=float(t), max_tokens=n, seed=seed, think=think, turns=turns), model
 

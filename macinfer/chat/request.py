@@ -77,14 +77,18 @@ class PreparedChat:
     params: SamplingParams
     new_parser: Callable[[], OutputParser]
     tools: list[dict] | None  # the tools offered (None: none)
+    mm: Any = None  # the prompt's images (macinfer.modelio.multimodal.MultiModalInputs), or None
 
 
-def prepare(tokenizer, req: ChatRequest, params: SamplingParams | None = None) -> PreparedChat:
+def prepare(tokenizer, req: ChatRequest, params: SamplingParams | None = None, images: list | None = None,
+            vision=None) -> PreparedChat:
     """Prompt ids, sampling parameters (with the reply's grammar) and a parser factory for `req`.
 
     Args:
         tokenizer: the model's tokenizer (mlx-lm's TokenizerWrapper).
         params: sampling; its `structured` (a guided_* grammar) must not meet a grammar the request implies.
+        images: RGB images, one per {"type": "image"} part of the messages, in order; `vision` (the
+            model's macinfer.modelio.vision.ImageEncoder) tokenises the rendered text with them.
 
     Raises:
         ChatRequestError: a field that cannot be honoured, named.
@@ -104,9 +108,13 @@ def prepare(tokenizer, req: ChatRequest, params: SamplingParams | None = None) -
     if req.reasoning_effort == "none":
         enable = False
     effort = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
+    mm = None
     try:
         ids = render(tokenizer, req.messages, tools, syntax=syntax, enable_thinking=enable, reasoning_effort=effort,
-                     template_kwargs={k: v for k, v in (req.template_kwargs or {}).items() if k != "enable_thinking"})
+                     template_kwargs={k: v for k, v in (req.template_kwargs or {}).items() if k != "enable_thinking"},
+                     tokenize=not images)
+        if images:  # the processor expands each image's placeholder into its tokens
+            ids, mm = vision.process(ids, images)
     except MacinferError as e:
         raise ChatRequestError(str(e), "messages") from None
     opened = thought_open(tokenizer, thinking, ids)
@@ -117,7 +125,7 @@ def prepare(tokenizer, req: ChatRequest, params: SamplingParams | None = None) -
                                    _grammar_field(req))
         params = dataclasses.replace(params, structured=grammar)
     return PreparedChat(ids, params, partial(OutputParser, tokenizer, thinking, opened, syntax, tools, len(ids)),
-                        tools)
+                        tools, mm)
 
 
 def _offered_tools(req: ChatRequest) -> tuple[list[dict] | None, str | None]:

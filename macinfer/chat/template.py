@@ -27,13 +27,14 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, syntax: ToolSyntax | None = None,
            enable_thinking: bool | None = None, reasoning_effort: str | None = None,
-           template_kwargs: dict | None = None) -> list[int]:
+           template_kwargs: dict | None = None, tokenize: bool = True) -> list[int] | str:
     """The prompt's token ids: `messages` (OpenAI's shapes) through the chat template, with the generation prompt.
 
     Args:
         tools: OpenAI function tools to offer, or None.
         syntax: how the model calls tools (the generic format rewrites the conversation).
         enable_thinking, reasoning_effort, template_kwargs: template variables (None: the template's default).
+        tokenize: False: the prompt's text instead (images: a vision model's processor tokenises it).
 
     Raises:
         MacinferError: no chat template, or the template failed on these messages (one line).
@@ -49,7 +50,9 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, 
     if reasoning_effort is not None:
         kwargs["reasoning_effort"] = reasoning_effort
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, **kwargs))
+        out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                            tokenize=tokenize, **kwargs)
+        return list(out) if tokenize else out
     except Exception as e:  # jinja's TemplateError, raise_exception() in the template, a TypeError in it ...
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MacinferError(f"the model's chat template failed on these messages ({why})") from None

@@ -189,7 +189,7 @@ def check_bandwidth(ctx):
 
     peak = bandwidth.peak_bandwidth()
     ctx["peak"] = peak
-    return f"peak {peak.describe()}", {"gbps": peak.gbps, "source": peak.source}
+    return f"peak {peak.describe()}", {"gbps": peak.gbps, "source": peak.source, "detail": peak.detail}
 
 
 def _needs_metal(why: str):

@@ -16,6 +16,7 @@ import click
 
 from macinfer.cli.options import engine_option, one_line, parallel_option
 from macinfer.errors import MacinferError
+from macinfer.modelio.images import read_image
 from macinfer.units import fmt_bytes
 
 
@@ -122,6 +123,8 @@ def stats_line(s: dict) -> str:
 @click.option("--think/--no-think", "think", default=None,
               help="Let a thinking model think before it answers, or not (default: its template's).")
 @click.option("--hide-thinking", is_flag=True, help="Do not show the thought on stderr (it still counts in the stats).")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="An image to ask about (repeatable; vision-language models), placed before PROMPT.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and every figure as one JSON object.")
 @click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="The reply is JSON valid under the JSON schema in FILE (enforced while sampling).")
@@ -142,7 +145,7 @@ def stats_line(s: dict) -> str:
 @engine_option
 @parallel_option
 def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, repetition_penalty, no_chat_template,
-            think, hide_thinking, as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
+            think, hide_thinking, images, as_json, json_schema, peak_bandwidth, kv_memory, attention, kv_bits, dequantize, no_prefix_cache, draft, no_draft, verbose, engine,
             parallel, micro_batches):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -175,6 +178,9 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     to stdout, the thought to stderr, dimmed (--hide-thinking leaves it out);
     --no-think asks the template for no thought; --json has it as "reasoning".
 
+    --image FILE (repeatable) shows a vision-language model the image(s) before
+    PROMPT; the model's processor sizes them (needs macinfer[vision]).
+
     \b
     Examples:
       macinfer run "What is the capital of France?"
@@ -184,12 +190,14 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
       macinfer run -v --draft mtp ./Qwen3-Next-80B-A3B-Instruct "Hello"
       macinfer run "Describe Paris as JSON" --json-schema city.json
       macinfer run mlx-community/Qwen3-0.6B-4bit "Why is the sky blue?" --hide-thinking
+      macinfer run gemma3-4b --image cat.jpg "Describe it"
       mlx.launch --hostfile hosts.json --backend ring -- macinfer run MODEL "Hello"   # across Macs
     """
     from macinfer.core.sampling import SamplingParams
 
     model, prompt = _model_and_prompt(args)
     schema = _read_schema(json_schema) if json_schema else None
+    pictures = [read_image(p, f"--image {p}") for p in images]  # a bad file fails before the model loads
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop=list(stop), repetition_penalty=repetition_penalty)
 
@@ -207,8 +215,13 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     info = llm.info
     if verbose:
         _print_details(llm)
-    ids, params, parser = _prepare(llm, prompt, system, no_chat_template, params, schema, think)
-    reply = _stream(llm, ids, params, parser, echo=not as_json, show_thinking=not hide_thinking)
+    mm = None
+    if pictures:  # the images' prompt through the chat template as it is (no thinking parse)
+        ids, mm = _image_prompt(llm, prompt, system, no_chat_template, pictures)
+        params, parser = dataclasses.replace(params, structured=schema), None
+    else:
+        ids, params, parser = _prepare(llm, prompt, system, no_chat_template, params, schema, think)
+    reply = _stream(llm, ids, params, parser, echo=not as_json, show_thinking=not hide_thinking, mm=mm)
     out = reply.output
     stats = run_stats(out, info, find_peak(peak_bandwidth), reply.reasoning_tokens)
     if as_json:
@@ -288,6 +301,15 @@ def _prepare(llm, prompt: str, system: str | None, no_chat_template: bool, param
     return prepared.prompt_ids, prepared.params, prepared.new_parser()
 
 
+def _image_prompt(llm, prompt: str, system: str | None, no_chat_template: bool, pictures: list):
+    """(ids, MultiModalInputs) of PROMPT with --image pictures before it."""
+    if no_chat_template or not getattr(llm.tokenizer, "chat_template", None):
+        return llm.image_prompt(prompt, pictures)
+    content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return llm.image_prompt(messages, pictures)
+
+
 @dataclasses.dataclass
 class Reply:
     """What `run` printed: the answer, the thought (None: none), the engine's output, thought tokens."""
@@ -298,12 +320,13 @@ class Reply:
     reasoning_tokens: int = 0
 
 
-def _stream(llm, ids: list[int], params, parser, echo: bool, show_thinking: bool = True) -> Reply:
-    """Generate: the answer to stdout and the thought dimmed to stderr as they come (if `echo`)."""
+def _stream(llm, ids: list[int], params, parser, echo: bool, show_thinking: bool = True, mm=None) -> Reply:
+    """Generate: the answer to stdout and the thought dimmed to stderr as they come (if `echo`); `mm`: the
+    prompt's images."""
     from macinfer.chat.events import ContentDelta, Finish, ThinkingDelta
 
     answer, thought, out, reasoning_tokens = [], [], None, 0
-    for delta in llm.stream(ids, params):
+    for delta in llm.stream(ids, params, mm=mm):
         events = parser.feed(delta) if parser is not None else [ContentDelta(delta.text)] if delta.text else []
         for e in events:
             if isinstance(e, ThinkingDelta):

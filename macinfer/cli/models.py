@@ -42,6 +42,23 @@ def _table(columns: list[str], rows: list[list[str]], right: tuple[str, ...] = (
     Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
+def _vision(m) -> str:
+    """Whether a listed model sees (macinfer.modelio.vision.vision_status): from its config once downloaded,
+    from the catalog's architecture before."""
+    from macinfer.modelio.vision import FAMILIES, vision_status
+
+    if m.config:
+        return vision_status(m.config)
+    return vision_status({"model_type": m.architecture, "vision_config": {"from": "catalog"}}
+                         if m.architecture in FAMILIES else {})
+
+
+def _sees(m) -> str:
+    """`ls`'s column: yes, no, or text only (it sees, but macinfer runs its text only)."""
+    status = _vision(m)
+    return status if status in ("yes", "no") else "text only"
+
+
 def _source(m) -> str:
     return {"hf-cache": "HF cache", "home": "MACINFER_HOME", "embedded": "embedded", "path": "path",
             "catalog": "catalog", "ollama": "Ollama", "lmstudio": "LM Studio",
@@ -73,11 +90,11 @@ def ls_cmd(as_json, available):
 
     models = catalog_models() if available else list_models()
     if as_json:
-        click.echo(json.dumps({"models": [m.to_json() for m in models]}))
+        click.echo(json.dumps({"models": [{**m.to_json(), "vision": _vision(m)} for m in models]}))
         return
     rows = [[m.name, m.architecture or "?", fmt_params(m.num_params), m.quantization or "?", m.size_text,
-             fmt_ago(m.last_used) if m.downloaded else "not downloaded", _source(m)] for m in models]
-    _table(["name", "architecture", "parameters", "quantisation", "size", "last used", "source"], rows,
+             fmt_ago(m.last_used) if m.downloaded else "not downloaded", _source(m), _sees(m)] for m in models]
+    _table(["name", "architecture", "parameters", "quantisation", "size", "last used", "source", "sees"], rows,
            right=("parameters", "size"))
     if any(not m.downloaded and m.kind == "catalog" for m in models):
         click.echo("\nnot downloaded: `macinfer pull NAME` fetches one (or `macinfer run NAME` on first use)")
@@ -216,7 +233,8 @@ def _show_info(m, no_probe: bool) -> dict:
 
     draft = shipped_draft_for(m.catalog_name or m.name)
     info = {**m.to_json(), "kv_bytes_per_token": None, "kv_dtype": None, "chat_template": None,
-            "paged_engine": None, "shipped_draft": draft, "auto_draft": describe_auto(m)}
+            "paged_engine": None, "shipped_draft": draft, "auto_draft": describe_auto(m),
+            "vision": _vision(m)}
     if m.downloaded and m.path is not None:
         from macinfer.perf.kv_calc import from_config, kv_bytes_per_token
 
@@ -279,6 +297,7 @@ def _print_show(m, info: dict) -> None:
         ("path", str(m.path) + (f" (runs from {info['converted_path']})" if info.get("converted_path") else "")),
         ("size on disk", m.size_text),
         ("paged engine", info["paged_engine"] or "?"),
+        ("sees images", info["vision"]),
         ("draft (auto)", info["auto_draft"]),
     ]
     for i, (gtype, n, size) in enumerate(info.get("gguf_types") or []):

@@ -16,7 +16,7 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @click.argument("model", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes it to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
-@click.option("--api-key", envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on every request.")
+@click.option("--api-key", envvar="MACINFER_API_KEY", help="Require the key on every request: 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY').")
 @click.option("--health-auth", is_flag=True, help="Require the API key on /health too (open by default, for load balancers).")
 @click.option("--max-queue", type=click.IntRange(0),
               help="Requests waiting beyond --max-num-seqs at most (default 256); more get 429 with Retry-After.")
@@ -40,25 +40,44 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
                    "draft model or EAGLE-3 draft, the model's MTP layers, n-gram lookup (default: none).")
 @click.option("--lenient", is_flag=True,
               help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
+@click.option("--allow-remote-images", is_flag=True,
+              help="Let image content parts name http(s) URLs, fetched by the server (default: data URLs and local paths).")
+@click.option("--max-stored-responses", type=click.IntRange(0), default=1000, show_default=True,
+              help="Responses kept for /v1/responses' previous_response_id (on disk, so they survive a restart; "
+                   "the oldest go first; 0 keeps none).")
 @engine_option
 @parallel_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
-              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, draft, lenient, log_level, engine,
-              parallel, micro_batches):
-    """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching.
+              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, draft, lenient, allow_remote_images,
+              max_stored_responses, log_level, engine, parallel, micro_batches):
+    """Serve MODEL over OpenAI's, Anthropic's and Ollama's HTTP APIs with continuous batching.
 
-    Routes: POST /v1/chat/completions, POST /v1/completions (both stream with
-    "stream": true), GET /v1/models, /health, /metrics (Prometheus). Concurrent
-    clients are batched by the engine; a client that disconnects aborts its request.
+    \b
+    OpenAI:    POST /v1/chat/completions, /v1/completions, /v1/responses
+               (GET / DELETE /v1/responses/ID), GET /v1/models
+    Anthropic: POST /v1/messages, /v1/messages/count_tokens
+    Ollama:    POST /api/chat, /api/generate, /api/show, /api/pull,
+               GET /api/tags, /api/ps, /api/version, DELETE /api/delete
+    Also:      GET /health, /metrics (Prometheus; requests labelled by protocol)
+
+    Every protocol streams ("stream": true; Ollama's by default) and goes through
+    the same engine, sampling, grammar, thinking split, tool parsing, limits and
+    auth (the key as 'Authorization: Bearer KEY' or 'x-api-key: KEY'); errors come
+    in each protocol's own shape. Stored Responses (previous_response_id) live in
+    $MACINFER_HOME/responses. Concurrent clients are batched by the engine; a client
+    that disconnects aborts its request. See docs/protocols.md.
+
     Sampling defaults are OpenAI's (temperature 1). Also: logprobs, penalties,
     logit_bias, n > 1 (sharing the prompt's KV), tools; vLLM's top_k, min_p,
     ignore_eos, return_token_ids; mlx-lm's repetition_penalty. An unknown field
     is a 400 naming it, unless --lenient. With --api-key, every route but
     /health needs the key (--health-auth: /health too). Bodies over 8 MiB get 413;
-    beyond --max-queue waiting requests, 429 with Retry-After.
+    beyond --max-queue waiting requests, 429 with Retry-After. A vision-language
+    model takes image_url content parts on /v1/chat/completions: data URLs and
+    paths on this host (--allow-remote-images: http(s) URLs too).
 
     Several models: each --model, and any model `macinfer ls` lists, is loaded on
     the first request naming it ("model"); GET /v1/models lists them all, each
@@ -78,11 +97,15 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
       macinfer serve qwen3-8b --draft auto
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+      OLLAMA_HOST=127.0.0.1:8000 ollama list              # Ollama's own CLI and clients
+      ANTHROPIC_BASE_URL=http://127.0.0.1:8000 claude     # Anthropic's clients
       mlx.launch --hostfile hosts.json --backend ring -- macinfer serve MODEL   # across Macs: rank 0 serves
     """
     from macinfer.llm import LLM
     from macinfer.serve.guard import check_api_key
+    from macinfer.paths import cache_dir
     from macinfer.serve.model_pool import PoolOptions
+    from macinfer.serve.response_store import ResponseStore
     from macinfer.serve.server import create_app
 
     check_api_key(api_key)  # before the model loads
@@ -101,8 +124,9 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
                          lambda spec: LLM(spec, dequantize=dequantize, engine=engine, **options), kv_memory)
     pool.lease_what = f"macinfer serve on port {port}"  # `macinfer rm` refuses a loaded model
     limits = {"max_queue": max_queue} if max_queue is not None else {}
+    store = ResponseStore(cache_dir() / "responses", limit=max_stored_responses)
     app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
-                     models=pool, **limits)
+                     models=pool, allow_remote_images=allow_remote_images, response_store=store, **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

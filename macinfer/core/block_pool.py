@@ -200,7 +200,7 @@ class BlockPool:
         want = full if num_blocks is None else min(num_blocks, full)
         if len(hashes) < want:
             hash_blocks(self.cache_root, seq.token_ids[: want * self.block_size], self.block_size,
-                        start=len(hashes), hashes=hashes)
+                        start=len(hashes), hashes=hashes, extra_keys=_extra_keys(seq))
         return hashes[:want]
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
@@ -281,16 +281,16 @@ class BlockPool:
             self._cache_block(blocks[i], hashes[i])
         self.num_cached_block[seq.request_id] = num_full
 
-    def persist(self, token_ids: list[int]) -> int:
-        """Save the cached full blocks of token_ids (its longest cached prefix) to the store.
+    def persist(self, seq: Sequence) -> int:
+        """Save the cached full blocks of seq's tokens (their longest cached prefix) to the store.
 
         Returns:
             Blocks newly written.
         """
         if self.store is None:
             return 0
-        bs, entries = self.block_size, []
-        for i, h in enumerate(hash_blocks(self.cache_root, token_ids, bs)):
+        bs, entries, token_ids = self.block_size, [], seq.token_ids
+        for i, h in enumerate(hash_blocks(self.cache_root, token_ids, bs, extra_keys=_extra_keys(seq))):
             block = self.cached_block_hash_to_block.get(h)
             if block is None:
                 break
@@ -390,3 +390,8 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable full block right now (in use or free)."""
         return len(self.cached_block_hash_to_block)
+
+
+def _extra_keys(seq: Sequence):
+    """The extra keys of seq's blocks: its images' hashes where their tokens are (None: text only)."""
+    return seq.mm.block_extra_keys if seq.mm is not None else None

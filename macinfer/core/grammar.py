@@ -149,12 +149,29 @@ class GrammarCompiler:
         template = self._compiled.pop(text, None)
         if template is None:
             template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"the grammar cannot be used: {' '.join(template.get_error().split())}")
+            self._check_admits_a_reply(template, structured)
         self._compiled[text] = template
         while len(self._compiled) > 64:
             self._compiled.pop(next(iter(self._compiled)))
         return template.deep_copy()
+
+    def _check_admits_a_reply(self, template, structured: StructuredOutput) -> None:
+        """Refuse a grammar that cannot be used, or that admits nothing but an empty reply.
+
+        Some are only found when the first mask is computed (a schema that refers to itself and
+        nothing else, {"$ref": "#"}, loops there); without this check such a request "succeeds"
+        with an empty reply.
+
+        Raises:
+            ValueError: one line naming the kind of grammar.
+        """
+        mask = self.fill_masks([template])[0]
+        if template.is_error():  # llguidance's state dump: its first word is the reason (e.g. NoExtensionBias)
+            why = template.get_error().split()[0] if template.get_error() else "no reason given"
+            raise ValueError(f"{structured.kind}: it admits no reply (llguidance stops at the start: {why})")
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size])
+        if set(allowed.tolist()) <= set(self.eos_token_ids):
+            raise ValueError(f"{structured.kind}: it admits no value but an empty reply")
 
     def fill_masks(self, matchers: list) -> np.ndarray:
         """The next-token bitmasks of a forward's rows: int32 (B, ceil(V / 32)); a None row allows all.

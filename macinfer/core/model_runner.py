@@ -68,13 +68,16 @@ class ModelRunner:
             verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         compile_decode: launched decodes as compiled graphs (macinfer.core.decode_graph).
         slot_of: models with state layers: seq -> its state slot (macinfer.core.state_pool.StatePool).
+        images: a vision-language model's image encoder (macinfer.modelio.vision.ImageEncoder: `embed`,
+            `embed_tokens`): prefill chunks over image tokens run on input embeddings. None: text only.
     """
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
                  batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None, *,
                  evaluator: StepEvaluator | None = None, attention_fn=None, fill_masks=None, hidden_sink=None,
-                 verifier=None, compile_decode: bool = False, slot_of=None):
+                 verifier=None, compile_decode: bool = False, slot_of=None, images=None):
         self.model = model
+        self.images = images
         self.block_size = block_size
         self.evaluator = evaluator or StepEvaluator(threaded=False)
         self.batch_decode = batch_decode
@@ -180,6 +183,9 @@ class ModelRunner:
         if self.states is not None:
             self.states.bind(seqs, counts, L)
         inputs = mx.array([t + [0] * (L - len(t)) for t in tokens], dtype=mx.int32)
+        embeds = self._input_embeddings(seqs, starts, counts, inputs) if self.images is not None and seqs else None
+        if embeds is not None:  # a prefill chunk over image tokens: the model takes embeddings
+            return self._forward_embeddings(inputs, embeds, last, all_logits)
         if self.hidden_sink is not None or head is not None:
             if self.hidden_sink is not None:  # a feature draft wants every position's hidden state
                 h = self._hidden(inputs, seqs, starts, counts)
@@ -199,6 +205,41 @@ class ModelRunner:
         if all(n == L - 1 for n in last):
             return logits[:, -1, :]
         return logits[mx.arange(len(tokens)), mx.array(last)]
+
+    def _input_embeddings(self, seqs: list, starts: list[int], counts: list[int], inputs: mx.array) -> mx.array | None:
+        """The forward's input embeddings (B, L, D) if a row covers image tokens, else None.
+
+        A row whose chunk starts before its images' end takes its prompt embeddings (the image features
+        in place) for those positions, computed once per request (MultiModalInputs.embeds) and dropped by
+        the chunk that reaches the end; every other position is the plain token embedding.
+        """
+        rows = [b for b, s in enumerate(seqs) if s.mm is not None and starts[b] < s.mm.end]
+        if not rows:
+            return None
+        plain = self.images.embed_tokens(inputs)  # (B, L, D)
+        out = []
+        for b in range(len(seqs)):
+            if b not in rows:
+                out.append(plain[b])
+                continue
+            mm, start = seqs[b].mm, starts[b]
+            if mm.embeds is None:
+                mm.embeds = self.images.embed(mm, seqs[b].prompt_token_ids)  # (end, D), evaluated
+            k = min(counts[b], mm.end - start)
+            out.append(mx.concatenate([mm.embeds[start: start + k].astype(plain.dtype), plain[b, k:]]))
+            if start + counts[b] >= mm.end:
+                mm.embeds = None  # its image tokens are all in the cache after this forward
+        return mx.stack(out)
+
+    def _forward_embeddings(self, inputs: mx.array, embeds: mx.array, last: list[int], all_logits: bool) -> mx.array:
+        """`run_forward` on input embeddings: each row's last real logits (B, V), or every position's."""
+        logits = self.model(inputs, cache=self.caches, input_embeddings=embeds)  # (B, L, V)
+        if all_logits:
+            return logits
+        L = inputs.shape[1]
+        if all(n == L - 1 for n in last):
+            return logits[:, -1, :]
+        return logits[mx.arange(inputs.shape[0]), mx.array(last)]
 
     def set_context(self, tables: list[list[int]], starts: list[int], counts: list[int],
                     prompt_lens: list[int] | None = None) -> int:

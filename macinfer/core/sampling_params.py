@@ -18,7 +18,11 @@ if TYPE_CHECKING:  # grammar imports MLX: checked lazily, only for a request tha
 # (OpenAI takes 4; vLLM does not bound them.)
 MAX_STOP_STRINGS = 16
 
+MAX_STOP_CHARS = 1000  # characters of one stop string at most (the search after each token reads it)
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (macinfer.core.logprobs reports them)
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range; beyond it the distribution is flat noise
 
 
 @dataclass
@@ -26,13 +30,14 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     Args:
-        temperature: 0 means greedy (argmax).
+        temperature: 0 means greedy (argmax); at most 2 (OpenAI's range).
         top_p: nucleus sampling, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         min_p: drop tokens below min_p * p(top token); 0 disables it.
         seed: makes sampling reproducible; None draws a fresh seed.
         max_tokens: generated tokens at most.
-        stop: strings that end generation (not included in the text).
+        stop: strings that end generation (not included in the text): at most 16, each at most
+            1,000 characters.
         stop_token_ids: extra token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None, or report each token's logprob and the `logprobs` most likely
@@ -75,7 +80,8 @@ class SamplingParams:
                                                                          for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {_show(self.stop_token_ids)}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        _check_real("temperature", self.temperature, lambda x: x >= 0, "must be >= 0")
+        _check_real("temperature", self.temperature, lambda x: 0 <= x <= MAX_TEMPERATURE,
+                    f"must be a number from 0 to {MAX_TEMPERATURE:g}")
         _check_real("top_p", self.top_p, lambda x: 0 < x <= 1, "must be in (0, 1]")
         _check_real("min_p", self.min_p, lambda x: 0 <= x <= 1, "must be in [0, 1]")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -135,6 +141,9 @@ def _stop_strings(stop) -> list[str]:
         raise ValueError(f"stop must be a string or a list of strings, got {_show(stop)}")
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    longest = max((len(x) for x in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop holds a string of {longest:,} characters; at most {MAX_STOP_CHARS:,} are allowed")
     return [x for x in stop if x]
 
 

@@ -309,7 +309,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_pool.free(seq)
         seq.status = status
-        self.block_pool.persist(seq.token_ids)
+        self.block_pool.persist(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

@@ -22,6 +22,7 @@ from typing import Any
 
 from macinfer.core.metrics import RequestMetrics
 from macinfer.core.sampling import Sampler, SamplingParams
+from macinfer.modelio.multimodal import MultiModalInputs
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
         arrival_time: perf_counter() stamp for its metrics.
         grammar: its structured output's llguidance matcher (macinfer.core.grammar), or None.
         fork_of: n > 1: the sequence whose prompt blocks this one shares (macinfer.core.scheduler: forks).
+        mm: the prompt's images (macinfer.modelio.multimodal), or None for text only.
     """
 
     _counter = itertools.count()
@@ -62,6 +64,7 @@ class Sequence:
         arrival_time: float = 0.0,
         grammar: Any = None,
         fork_of: "Sequence | None" = None,
+        mm: MultiModalInputs | None = None,
     ):
         self.request_id = request_id
         self.seq_no = next(Sequence._counter)  # admission order tie-breaker
@@ -83,6 +86,7 @@ class Sequence:
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.num_preemptions = 0
         self.fork_of = fork_of
+        self.mm = mm
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))
         # Text: `text` is everything decoded so far; `num_emitted_chars` how much of
         # it has been streamed (stop strings hold some back until they are ruled out).

@@ -133,10 +133,13 @@ class StateScheduler(Scheduler):
         while n and hashes[n - 1] not in snaps:
             n -= 1
         # The prompt's last full block before its last token; where its cached blocks end, a prefix
-        # some earlier request shared (a system prompt?), if the hit had to stop short; and, spare,
-        # 1, 2 and 4 blocks before the last one (the same prompt with another short tail).
+        # some earlier request shared (a system prompt?), if the hit had to stop short; the last block
+        # boundary in its images' tokens (another question about the same images: their rest comes from
+        # the image encoder's kept embeddings); and, spare, 1, 2 and 4 blocks before the last one (the
+        # same prompt with another short tail).
         last = (seq.num_prompt_tokens - 1) // bs * bs
-        targets = {t for t in (last, len(blocks) * bs) if t >= self.min_snapshot_tokens}
+        images = seq.mm.end // bs * bs if seq.mm is not None else 0
+        targets = {t for t in (last, len(blocks) * bs, images) if t >= self.min_snapshot_tokens}
         spare = {last - k * bs for k in SPARE_BLOCKS} - targets if last >= self.min_spare_tokens else set()
         self._targets[seq.request_id] = sorted(t for t in targets | spare if t > n * bs)
         self._spare[seq.request_id] = spare

@@ -235,9 +235,11 @@ class DenseEngine(RequestTable):
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    fork_of: str | None = None) -> str:
+                    fork_of: str | None = None, mm=None) -> str:
         """Queue a request (as LLMEngine.add_request; no KV-capacity check: caches are dense,
-        so a fork (`fork_of`) shares nothing and runs as a request of its own)."""
+        so a fork (`fork_of`) shares nothing and runs as a request of its own). No images (`mm`)."""
+        if mm is not None:
+            raise MacinferError(f"images need the paged engine; {self.model_type} runs on mlx-lm's fallback engine")
         if params is not None and params.structured is not None:
             raise MacinferError(f"structured output needs the paged engine; {self.model_type} runs on mlx-lm's "
                                 "fallback engine, which cannot constrain sampling")

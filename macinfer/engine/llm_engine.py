@@ -56,10 +56,11 @@ from macinfer.engine.distributed import LeaderRunner, check_model
 from macinfer.engine.output_processor import OutputProcessor, RequestTable
 from macinfer.engine.pipeline import Pipeline
 from macinfer.engine.protocol import EngineFeatures
-from macinfer.errors import MacinferError
+from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.kv.kernel_dispatch import attention_layers, select_attention
 from macinfer.kv.model_probe import forward_evaluates, inspect_model, supports_batched_offsets
 from macinfer.kv.paged_attention import paged_attention
+from macinfer.modelio.multimodal import MultiModalInputs
 from macinfer.prefix_cache.keys import model_identity, prefix_cache_stats
 from macinfer.spec_decode.decoder import verify_rows
 from macinfer.spec_decode.speculator import check_exact, make_spec_decoder
@@ -76,12 +77,17 @@ class LLMEngine(RequestTable):
             max_model_len or the model's config).
         ranks: macinfer.engine.distributed.Ranks when the model is split across processes
             (the leader's runner sends each forward's plan; a follower's only runs them), else None.
+        images: a vision-language model's image encoder (macinfer.modelio.vision.ImageEncoder), or None:
+            requests may then carry images (add_request's `mm`).
         **options: EngineConfig fields.
     """
 
-    def __init__(self, model, tokenizer, info=None, ranks=None, **options):
+    def __init__(self, model, tokenizer, info=None, ranks=None, images=None, **options):
         self.config = config = EngineConfig(**options)
         self.model, self.tokenizer, self.info, self.ranks = model, tokenizer, info, ranks
+        if images is not None and ranks is not None:
+            raise MacinferError("images are not supported across ranks: run the model in one process")
+        self.images = images
         model_type = getattr(info, "model_type", None) or getattr(model, "model_type", "?")
         self.specs = inspect_model(model, model_type)
         if ranks is not None:
@@ -125,7 +131,7 @@ class LLMEngine(RequestTable):
             fill_masks=self.grammars.fill_masks, hidden_sink=self.spec.drafter.hidden_sink if self.spec else None,
             verifier=verify_rows if self.spec else None,
             compile_decode=_compiles_decode(config, ranks, model, cpu_lazy, evaluator.threaded),
-            slot_of=self.state_pool.slot_of if states else None,
+            slot_of=self.state_pool.slot_of if states else None, images=images,
             **({"ranks": ranks} if runner_cls is LeaderRunner else {}))
 
         # 4. The block pool and its prefix cache. NOTE: models with recurrent state layers use a cached
@@ -218,7 +224,7 @@ class LLMEngine(RequestTable):
     # -- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    fork_of: str | None = None) -> str:
+                    fork_of: str | None = None, mm: MultiModalInputs | None = None) -> str:
         """Queue a request.
 
         Args:
@@ -228,24 +234,28 @@ class LLMEngine(RequestTable):
             arrival_time: perf_counter() stamp for metrics (default: now).
             fork_of: the id of an unfinished request with the same prompt (n > 1 samples):
                 this one shares its prompt's KV blocks (macinfer.core.scheduler, forks).
+            mm: the prompt's images (macinfer.modelio.vision.ImageEncoder.process made it and the ids).
 
         Returns:
             The request id.
 
         Raises:
             MacinferError: empty prompt, prompt longer than the context, a prompt whose KV
-                could never fit in the pool, or a structured output grammar that is invalid.
+                could never fit in the pool, a structured output grammar that is invalid, or
+                images for a model that does not see.
         """
         params = params or SamplingParams()
+        if mm is not None and self.images is None:
+            raise MacinferError("this model does not take images: send text only, or a vision-language model")
         grammar = None
         if params.structured is not None:
             try:
                 grammar = self.grammars.matcher(params.structured)
             except ValueError as e:
-                raise MacinferError(str(e)) from None
+                raise InvalidGrammar(str(e)) from None
         parent = self.output.get(fork_of) if fork_of is not None else None
         with self.runner.evaluator.context():  # a sampler's arrays on the stream the steps use
-            seq = new_sequence(self, prompt, params, request_id, arrival_time, grammar=grammar, parent=parent)
+            seq = new_sequence(self, prompt, params, request_id, arrival_time, grammar=grammar, parent=parent, mm=mm)
         n = len(seq.prompt_token_ids)
         if self.block_pool.num_blocks_for(n) > self.block_pool.num_usable_blocks:
             raise MacinferError(
@@ -320,13 +330,15 @@ class LLMEngine(RequestTable):
 
 
 def new_sequence(engine, prompt, params: SamplingParams | None, request_id: str | None,
-                 arrival_time: float | None, grammar=None, parent: Sequence | None = None) -> Sequence:
+                 arrival_time: float | None, grammar=None, parent: Sequence | None = None,
+                 mm: MultiModalInputs | None = None) -> Sequence:
     """A checked, not yet queued Sequence for either engine: encoded, non-empty, within the
     engine's context, logit_bias inside the vocabulary, a fresh id.
 
     Args:
         grammar: its structured output's matcher, or None.
-        parent: an unfinished request it forks (n > 1): kept only if the prompts are the same.
+        parent: an unfinished request it forks (n > 1): kept only if the prompts (and images) are the same.
+        mm: the prompt's images, or None.
     """
     params = params or SamplingParams()
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -342,12 +354,15 @@ def new_sequence(engine, prompt, params: SamplingParams | None, request_id: str 
     request_id = request_id or uuid.uuid4().hex[:12]
     if engine.output.get(request_id) is not None:
         raise MacinferError(f"request id {request_id!r} is already in use")
-    if parent is not None and (parent.prompt_token_ids != ids or parent.is_finished):
+    if mm is not None and len(ids) < mm.end:
+        raise MacinferError(f"the images' tokens end at {mm.end} but the prompt is {len(ids)} tokens")
+    if parent is not None and (parent.prompt_token_ids != ids or parent.is_finished
+                               or (mm is not None and not mm.same_images(parent.mm)) or (mm is None) != (parent.mm is None)):
         parent = None
     return Sequence(request_id, ids, params, max_tokens=min(params.max_tokens, engine.max_model_len - len(ids)),
                     detokenizer=engine.tokenizer.detokenizer,
                     arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                    grammar=grammar, fork_of=parent)
+                    grammar=grammar, fork_of=parent, mm=mm)
 
 
 def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:

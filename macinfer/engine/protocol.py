@@ -45,8 +45,9 @@ class Engine(Protocol):
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    fork_of: str | None = None) -> str:
-        """Queue a request; returns its id. Raises MacinferError (one line) if it cannot run."""
+                    fork_of: str | None = None, mm=None) -> str:
+        """Queue a request (with its images, `mm`: macinfer.modelio.multimodal); returns its id.
+        Raises MacinferError (one line) if it cannot run."""
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free what it holds; its final delta comes with the next step()."""

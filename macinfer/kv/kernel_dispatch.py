@@ -43,7 +43,7 @@ import warnings
 
 import mlx.core as mx
 
-from macinfer.errors import MacinferError
+from macinfer.errors import MacinferError, MacinferWarning
 from macinfer.kv import metal_attention as ma
 from macinfer.kv.paged_attention import QuantPool
 from macinfer.kv.quant import kv_group_size
@@ -56,7 +56,7 @@ MAX_Q_LEN = 8  # decode and verify rows (1 + drafts): macinfer.kv.paged_cache.KE
 _ROW_SHAPES = {1: ((1, 1), (3, 2), (4, 2)), 2: ((3, 4), (4, 3)), 4: ((4, 6), (8, 4))}
 
 
-class MetalAttentionWarning(RuntimeWarning):
+class MetalAttentionWarning(MacinferWarning):
     """The Metal kernel failed to compile or run, or disagreed with the reference; the reference is used."""
 
 

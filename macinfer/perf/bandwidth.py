@@ -6,25 +6,48 @@ the hardware limit a decoder runs (good ones reach 70-85% on Apple silicon).
 
 Peak comes from, in order: an explicit value (flag / MACINFER_PEAK_BW in GB/s),
 Apple's published figure for the detected chip (and, where binned parts of one
-chip differ, its GPU core count), or a short measured probe cached on disk.
+chip differ, its GPU core count), or a measured CPU probe cached on disk.
 
-The probe sums a 256 MiB array with numpy on the CPU, on one thread and on
-several (numpy releases the GIL), best of 5 each. It measures what the CPU cores
-can read, which is below the chip's peak on Apple silicon (the GPU reads faster),
-so its source says "CPU probe".
+The probe is one CPU core's read rate at its best: numpy sums 32 MiB slices of a 256 MiB
+array (in turn, so none is still in a cache) for 2 s, each sum timed by the thread's CPU time
+(`time.thread_time`), and the figure is the fastest. Why, measured on a loaded 2-core host
+(docs/platform.md#bandwidth-probe, scripts/bench/bandwidth.py):
+- wall time counts the time a thread waits descheduled: wall-time figures swung 2x and more
+  between runs (16.5 vs 32.2 GB/s; best of 5 over 10 fresh processes: 105-195% apart, against
+  12-21% for this probe);
+- a neighbour streaming memory lowers even CPU-time rates for seconds at a time, so a median,
+  or a short probe, follows the neighbours; the fastest sum of a 2 s probe does not (contention
+  only ever slows a sum down);
+- one core, not all of them: several threads that run one after the other (a busy host) each
+  read as fast as one alone, while side by side (a quiet one) they share the memory system, so
+  an all-cores figure moves with the host's load. NOTE: so on hosts where all cores together
+  read faster than one, this is a lower bound of the machine's peak; MLX's CPU backend runs
+  most ops on one core. It is also below the chip's peak on Apple silicon (the GPU reads
+  faster), so its source says "CPU probe".
+
+The figure is cached in `cache_dir()/bandwidth.json`, written atomically, keyed by
+the machine (host name, machine id, CPU model, usable CPUs, memory) and the probe
+method (PROBE_METHOD): another machine or another method measures again, and a file
+that cannot be read is ignored with one warning. `describe()` says which it was:
+"CPU probe, measured now" or "CPU probe, cached" with the date and the file.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
 import re
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from macinfer.errors import MacinferWarning
+from macinfer.paths import cache_dir
 
 # Apple's published unified-memory bandwidth, GB/s, by chip name (after "Apple ").
 # A dict maps GPU core count -> GB/s where the binned parts of one chip differ
@@ -42,13 +65,19 @@ APPLE_PEAK_GBPS: dict[str, float | dict[int, float]] = {
 _CHIP = re.compile(r"\bM(\d+)(?:\s+(Pro|Max|Ultra))?\b")
 
 
+# The probe's method: part of the cache key, so a figure measured another way is measured again.
+PROBE_METHOD = "one thread, numpy sums of 32 MiB slices of 256 MiB, CPU time, the fastest of 2 s"
+PROBE_MIB, PROBE_SLICES, PROBE_SECONDS, PROBE_MIN_TRIALS = 256, 8, 2.0, 16
+
+
 @dataclass
 class PeakBandwidth:
     gbps: float
     source: str  # "flag", "env", "apple:M2 Pro", "apple:M3 Max, 40-core GPU", "CPU probe", "CPU probe, cached"
+    detail: str = ""  # for a probe: when it was measured and the cache file
 
     def describe(self) -> str:
-        return f"{self.gbps:.1f} GB/s ({self.source})"
+        return f"{self.gbps:.1f} GB/s ({self.source}{': ' + self.detail if self.detail else ''})"
 
 
 def apple_chip() -> str | None:
@@ -128,7 +157,7 @@ def gpu_core_count() -> int | None:
 
 
 def probe_threads() -> int:
-    """Threads the probe reads with: the usable CPUs, at most 16."""
+    """The usable CPUs, at most 16 (part of the machine's key)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -136,30 +165,100 @@ def probe_threads() -> int:
     return max(1, min(16, n))
 
 
-def probe_gbps(mib: int = 256, repeats: int = 5, threads: int | None = None) -> float:
-    """Measured CPU read bandwidth: best of `repeats` sums over a `mib` MiB array, on one
-    thread and on `threads` threads (default `probe_threads()`), each summing a slice."""
-    from concurrent.futures import ThreadPoolExecutor
+def _read_rate(part) -> float:
+    """GB/s at which this thread sums `part`: its bytes / the CPU time this thread spent on them."""
+    import numpy as np
 
+    t = time.thread_time()
+    np.sum(part)
+    return part.nbytes / max(time.thread_time() - t, 1e-9) / 1e9
+
+
+def probe_gbps(mib: int = PROBE_MIB, seconds: float = PROBE_SECONDS, min_trials: int = PROBE_MIN_TRIALS) -> float:
+    """One CPU core's read bandwidth (GB/s): the fastest of the sums made over `seconds` (at least
+    `min_trials`) of the slices of a `mib` MiB array, in turn, each timed by its CPU time."""
     import numpy as np
 
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     a.sum()  # fault the pages in
-    best = float("inf")
-    for n in sorted({1, threads or probe_threads()}):
-        parts = np.array_split(a, n)
-        with ThreadPoolExecutor(n) as pool:
-            for _ in range(repeats):
-                t = time.perf_counter()
-                sum(pool.map(np.sum, parts))
-                best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
+    slices = np.array_split(a, PROBE_SLICES)
+    best, k, start = 0.0, 0, time.perf_counter()
+    while k < min_trials or time.perf_counter() - start < seconds:
+        best = max(best, _read_rate(slices[k % len(slices)]))
+        k += 1
+    return best
 
 
-def _cache_file() -> Path:
-    from macinfer.paths import cache_dir
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            continue
+    return ""
 
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return apple_chip() or platform.processor()
+
+
+def machine_key() -> str:
+    """What a cached probe figure is valid for: this machine and PROBE_METHOD (a short hash of both)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    parts = [PROBE_METHOD, platform.node(), _machine_id(), platform.machine(), _cpu_model(), str(probe_threads()),
+             str(memory)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def cache_file() -> Path:
     return cache_dir() / "bandwidth.json"
+
+
+def cached_probe(key: str) -> PeakBandwidth | None:
+    """The figure cached for `key`; None if there is none or it is another machine's or method's.
+
+    A file that cannot be read (corrupt, not ours) is ignored with one warning.
+    """
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        gbps, measured = float(data["gbps"]), str(data["measured_at"])
+        if not 0 < gbps < 1e5:
+            raise ValueError(f"implausible figure {gbps}")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"bandwidth: ignoring {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      "measuring again", MacinferWarning, stacklevel=3)
+        return None
+    return PeakBandwidth(gbps, "CPU probe, cached", f"measured {measured}, {path}")
+
+
+def save_probe(key: str, gbps: float) -> str:
+    """Cache the figure atomically (a temporary file renamed over the old); the detail for describe()."""
+    path = cache_file()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = {"key": key, "gbps": gbps, "method": PROBE_METHOD, "measured_at": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home is no reason to fail a run
+        tmp.unlink(missing_ok=True)
+        return f"measured now, not cached ({e.strerror or e})"
+    return f"measured now, cached in {path}"
 
 
 def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBandwidth | None:
@@ -177,26 +276,13 @@ def peak_bandwidth(override: float | None = None, probe: bool = True) -> PeakBan
         cores = gpu_core_count() if needs_gpu_cores(chip) else None
         if gbps := apple_peak(chip, cores):
             return PeakBandwidth(gbps, f"apple:{chip_key(chip)}" + (f", {cores}-core GPU" if cores else ""))
-    # v2: the probe reads with several threads (v1 used one and is measured again)
-    key = f"v2|{platform.node()}|{platform.machine()}|{platform.processor()}"
-    path = _cache_file()
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return PeakBandwidth(float(cached["gbps"]), "CPU probe, cached")
-    except (OSError, ValueError, KeyError):
-        pass
+    key = machine_key()
+    if cached := cached_probe(key):
+        return cached
     if not probe:
         return None
     gbps = probe_gbps()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "gbps": gbps}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home is no reason to fail a run
-    return PeakBandwidth(gbps, "CPU probe")
+    return PeakBandwidth(gbps, "CPU probe", save_probe(key, gbps))
 
 
 def bytes_per_step(info, kv_tokens: float) -> float:

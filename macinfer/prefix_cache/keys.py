@@ -8,7 +8,9 @@ before it (through its parent's hash), its own token ids, and the model. So
 
 Two requests share block i exactly when they agree on every token up to the end
 of block i *and* run the same model, which is when the K/V are bit-for-bit the
-same. The hashes are SHA-256 (stable across processes, so the persistent tier in
+same. A block whose tokens stand for an image (macinfer.modelio.multimodal) also hashes
+that image's content (its "extra keys", as vLLM names them): the same image tokens
+from another image are another block. The hashes are SHA-256 (stable across processes, so the persistent tier in
 `macinfer.prefix_cache.disk` can key files by them; Python's `hash()` is salted per run).
 
 The model identity covers what changes K/V: config, weights (their files, and a
@@ -32,20 +34,32 @@ from typing import Sequence as Seq
 HASH_VERSION = 1
 
 
-def hash_block_tokens(parent: bytes, token_ids: Seq[int]) -> bytes:
-    """The hash of one full block: H(parent hash, its token ids) (32 bytes)."""
+def hash_block_tokens(parent: bytes, token_ids: Seq[int], extra: bytes = b"") -> bytes:
+    """The hash of one full block: H(parent hash, its token ids[, its extra keys]) (32 bytes).
+
+    NOTE: a block without extra keys hashes as it always has, so text blocks keep their keys
+    (and their files in the disk tier).
+    """
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra:
+        h.update(b"extra" + extra)
     return h.digest()
 
 
 def hash_blocks(root: bytes, token_ids: Seq[int], block_size: int, start: int = 0,
-                hashes: list[bytes] | None = None) -> list[bytes]:
-    """Extend `hashes` (the chain of the first `start` blocks) over every full block of token_ids."""
+                hashes: list[bytes] | None = None, extra_keys=None) -> list[bytes]:
+    """Extend `hashes` (the chain of the first `start` blocks) over every full block of token_ids.
+
+    Args:
+        extra_keys: (start, end) -> bytes, the extra key of the block holding those positions
+            (MultiModalInputs.block_extra_keys), or None.
+    """
     hashes = [] if hashes is None else hashes
     parent = hashes[start - 1] if start else root
     for i in range(start, len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size: (i + 1) * block_size])
+        a, b = i * block_size, (i + 1) * block_size
+        parent = hash_block_tokens(parent, token_ids[a:b], extra_keys(a, b) if extra_keys is not None else b"")
         hashes.append(parent)
     return hashes
 

@@ -107,12 +107,13 @@ class AsyncEngine:
     # -- the asyncio side ------------------------------------------------------------
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        fork_of: str | None = None,
+        fork_of: str | None = None, mm=None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield the request's deltas; the last has `finish_reason` and `output` set.
 
         Closing the iterator early (or cancelling the task) aborts the request. `fork_of`: the
         id of a request with the same prompt, added before, whose prompt blocks this one shares.
+        `mm`: the prompt's images (macinfer.modelio.multimodal), or None.
 
         Raises:
             EngineDeadError: the loop is not running.
@@ -123,7 +124,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._send(("add", rid, list(prompt_token_ids), params, fork_of))
+        self._send(("add", rid, list(prompt_token_ids), params, fork_of, mm))
         finished = False
         try:
             while True:
@@ -201,12 +202,12 @@ class AsyncEngine:
                 return n
             n += 1
             if msg[0] == "add":
-                _, rid, ids, params, fork_of = msg
+                _, rid, ids, params, fork_of, mm = msg
                 if rid not in self._streams:
                     continue  # its caller already left
                 try:
                     fork = {"fork_of": fork_of} if fork_of else {}  # engines without forks still serve n = 1
-                    self.engine.add_request(ids, params, request_id=rid, **fork)
+                    self.engine.add_request(ids, params, request_id=rid, **fork, **({"mm": mm} if mm is not None else {}))
                 except Exception as e:  # bad request: tell that caller only
                     self._deliver(rid, e)
             else:

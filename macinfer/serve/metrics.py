@@ -2,7 +2,8 @@
 
 Counters and histograms are updated as requests finish and steps run; gauges (KV
 blocks, running and waiting requests) are read from the engines at scrape time. A server of
-several models labels every series but the refusals with `model`.
+several models labels every series but the refusals with `model`; finished requests are labelled
+with the protocol they came through (`protocol`: openai, responses, anthropic, ollama) and endpoint.
 Each app has its own registry, so several servers can live in one process (tests).
 """
 
@@ -34,7 +35,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.model_label = model_label
         m = ["model"] if model_label else []
-        self.requests = Counter("macinfer_requests", "Finished requests", ["endpoint", "finish_reason"] + m, registry=r)
+        self.requests = Counter("macinfer_requests", "Finished requests", ["protocol", "endpoint", "finish_reason"] + m,
+                                registry=r)
         self.errors = Counter("macinfer_request_errors", "Requests refused, by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("macinfer_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.generation_tokens = Counter("macinfer_generation_tokens", "Generated tokens", m, registry=r)
@@ -73,9 +75,10 @@ class ServerMetrics:
     def observe_step(self, seconds: float, deltas: list, model: str | None = None) -> None:
         self._of(self.step, model=model).observe(seconds)
 
-    def observe_request(self, out, endpoint: str, model: str | None = None) -> None:
+    def observe_request(self, out, endpoint: str, model: str | None = None, protocol: str = "openai") -> None:
+        """A finished request; `protocol`: "openai", "responses", "anthropic" or "ollama" (its routes)."""
         m, of = out.metrics, functools.partial(self._of, model=model)
-        of(self.requests, endpoint, out.finish_reason or "unknown").inc()
+        of(self.requests, protocol, endpoint, out.finish_reason or "unknown").inc()
         of(self.prompt_tokens).inc(m.prompt_tokens)
         of(self.generation_tokens).inc(len(out.token_ids))
         if m.cached_tokens:

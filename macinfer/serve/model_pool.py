@@ -264,6 +264,21 @@ class ModelPool:
                                "model_too_large", "server_error")
             await self._unload(victims[0])
 
+    async def unload(self, m: ServedModel) -> bool:
+        """Unload `m` now, once its running requests have finished (Ollama's keep_alive).
+
+        Returns:
+            False when nothing was unloaded: `m` is the pinned default, or not loaded.
+        """
+        if m.pinned or not m.loaded:
+            return False
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:  # not during a load, which may be making room already
+            if not m.loaded:
+                return False
+            await self._unload(m)
+        return True
+
     async def _unload(self, m: ServedModel) -> None:
         """Drain `m` (no new requests; the running ones finish), then free it."""
         m.draining = True

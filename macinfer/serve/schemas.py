@@ -18,9 +18,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from macinfer.core.grammar import StructuredOutput
+
+
+DEFAULT_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 429: "rate_limit_exceeded",
+                 500: "internal_error", 503: "unavailable"}
 
 
 class APIError(Exception):
@@ -29,6 +33,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
+        code = code or DEFAULT_CODES.get(status, "invalid_request")  # every error names its kind
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers  # e.g. Retry-After on a 429
 
@@ -42,7 +47,7 @@ MAX_N = 16  # choices per request at most (each is a sequence of its own)
 
 # -- request schemas ----------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -80,7 +85,7 @@ class RequestBase(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -89,8 +94,8 @@ class RequestBase(BaseModel):
     # mlx-lm's and vLLM's extensions: a multiplicative penalty, and how many last tokens every penalty reads.
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False
     user: str | None = None
     # Accepted, and they change nothing here (OpenAI's bookkeeping).
     metadata: dict[str, Any] | None = None
@@ -124,7 +129,7 @@ class ChatCompletionRequest(RequestBase):
 
 class CompletionRequest(RequestBase):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: StrictBool = False
     max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
 
 
@@ -145,7 +150,8 @@ def check_known(req: RequestBase, lenient: bool = False) -> None:
 
 
 def check_supported(req: RequestBase) -> None:
-    """Refuse the fields this server cannot honour, with OpenAI's unsupported_parameter error.
+    """Refuse the fields this server cannot honour (unsupported_parameter), and combinations that
+    mean nothing (invalid_value: stream_options without stream).
 
     Args:
         req: a validated request.
@@ -153,6 +159,8 @@ def check_supported(req: RequestBase) -> None:
     Raises:
         APIError: 400 naming the first such field.
     """
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     checks = [
         (not 1 <= req.n <= MAX_N, "n", f"n must be from 1 to {MAX_N}"),
         (bool(getattr(req, "echo", False)), "echo", "echo is not supported"),

@@ -1,7 +1,9 @@
 """`macinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine loop.
 
 Routes: POST /v1/chat/completions and /v1/completions (server-sent events when
-`stream` is true), GET /v1/models, /health and /metrics (Prometheus text).
+`stream` is true), GET /v1/models, /health and /metrics (Prometheus text). The other protocols'
+routes (OpenAI Responses, Anthropic Messages, Ollama) are their adapters' (macinfer.serve.responses,
+.anthropic, .ollama, .ollama_models), each over the same request path (macinfer.serve.generation).
 
 Design choices:
 - Every request goes through its model's AsyncEngine, so concurrent clients of a model share
@@ -41,13 +43,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, prepare
+from macinfer.serve import anthropic, ollama, ollama_models, responses
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
+from macinfer.serve.generation import check_queue, close_streams, next_or_disconnect
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
-from macinfer.errors import MacinferError
+from macinfer.serve.images import has_images, image_messages
+from macinfer.errors import InvalidGrammar, MacinferError
 from macinfer.core.sampling import SamplingParams
+from macinfer.core.sampling_params import MAX_TOP_LOGPROBS
 from macinfer.serve.metrics import ServerMetrics
 from macinfer.serve.model_pool import ModelPool, PoolOptions, ServedModel
+from macinfer.serve.response_store import ResponseStore
 from macinfer.serve.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -66,9 +73,11 @@ log = logging.getLogger("macinfer.serve.server")
 class Server:
     """Turns validated OpenAI requests into engine requests and responses, each on its model's engine."""
 
-    def __init__(self, pool: ModelPool, metrics: ServerMetrics, max_queue: int, lenient: bool = False):
+    def __init__(self, pool: ModelPool, metrics: ServerMetrics, max_queue: int, lenient: bool = False,
+                 allow_remote_images: bool = False):
         self.pool, self.metrics = pool, metrics
         self.lenient = lenient  # accept and ignore unknown request fields
+        self.allow_remote_images = allow_remote_images  # image parts may name http(s) URLs (macinfer.serve.images)
         self.created = int(time.time())
         self.max_queue = max_queue
 
@@ -105,23 +114,27 @@ class Server:
             raise APIError(400, msg, msg.split(" ", 1)[0], "invalid_value") from None
 
     @staticmethod
-    def chat_prepare(llm, req: ChatCompletionRequest) -> PreparedChat:
-        """The chat request through macinfer.chat: prompt ids, its grammar, a parser per choice.
+    def chat_prepare(llm, req: ChatCompletionRequest, allow_remote_images: bool = False) -> PreparedChat:
+        """The chat request through macinfer.chat: prompt ids (and images), its grammar, a parser per choice.
 
         Raises:
             APIError: 400 naming the field that cannot be honoured.
         """
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = "system" if m.role == "developer" else m.role
-            # Extra fields (tool_calls, tool_call_id, name, reasoning_content) go to the template as they came.
-            messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
+        if has_images(req):  # image parts: read, checked, and {"type": "image"} for the template
+            messages, pictures = image_messages(llm, req, allow_remote_images)
+        else:
+            messages, pictures = [], None
+            for i, m in enumerate(req.messages):
+                role = "system" if m.role == "developer" else m.role
+                # Extra fields (tool_calls, tool_call_id, name, reasoning_content) go to the template as they came.
+                messages.append({**(m.model_extra or {}), "role": role, "content": message_text(m, i)})
         rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
         creq = ChatRequest(messages, tools=req.tools, tool_choice=req.tool_choice,
                            parallel_tool_calls=req.parallel_tool_calls, response_format=rf,
                            reasoning_effort=req.reasoning_effort, template_kwargs=req.chat_template_kwargs)
         try:
-            return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)))
+            return prepare(llm.tokenizer, creq, SamplingParams(structured=structured_output(req, response_format=False)),
+                           images=pictures, vision=llm.images)
         except ChatRequestError as e:
             raise APIError(400, str(e), e.param, "invalid_value") from None
         except MacinferError as e:  # the model's own format cannot be read here: not the request's fault
@@ -141,14 +154,6 @@ class Server:
         except MacinferError as e:
             raise APIError(400, str(e), "prompt") from None
 
-    def _check_queue(self, engine: AsyncEngine) -> None:
-        """429 when max_queue requests already wait beyond the engine's max_num_seqs running ones."""
-        waiting = engine.num_active - engine.engine.max_num_seqs
-        if waiting >= self.max_queue:
-            raise APIError(429, f"the server is busy: {waiting} requests are waiting (at most {self.max_queue}, "
-                                "--max-queue): retry later", None, "queue_full", "server_error",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-
     # -- responses -----------------------------------------------------------------------
     @staticmethod
     def _usage(choices: list[Choice]) -> dict:
@@ -162,15 +167,16 @@ class Server:
         return usage
 
     @staticmethod
-    def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int) -> list:
+    def _start(engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, n: int, mm=None) -> list:
         """The engine requests of a response: one per choice, choice i seeded seed + i (as vLLM
-        seeds n > 1), the others forks of the first (they share its prompt's KV blocks)."""
+        seeds n > 1), the others forks of the first (they share its prompt's KV blocks); `mm`: the
+        prompt's images, or None."""
         streams = []
         for i in range(n):
             p = params if i == 0 else dataclasses.replace(params, seed=None if params.seed is None else
                                                           (params.seed + i) % 2**64)
             streams.append(engine.generate(ids, p, request_id=rid if i == 0 else f"{rid}-{i}",
-                                                fork_of=rid if i else None))
+                                                fork_of=rid if i else None, mm=mm))
         return streams
 
     async def handle(self, req: RequestBase, http: Request, chat: bool) -> Any:
@@ -190,29 +196,33 @@ class Server:
 
     async def _respond(self, m: ServedModel, req: RequestBase, http: Request, chat: bool) -> Any:
         llm = m.llm
-        # NOTE: tokenising (and the chat template, and compiling a grammar's check) runs on a worker
-        # thread: a long prompt must not stall the event loop, which serves /health and every
-        # other client's stream.
-        prepared = await asyncio.to_thread(self.chat_prepare, llm, req) if chat else None
+        # NOTE: tokenising (and the chat template, and compiling a grammar's check, and reading and
+        # processing images) runs on a worker thread: a long prompt must not stall the event loop,
+        # which serves /health and every other client's stream.
+        prepared = await asyncio.to_thread(self.chat_prepare, llm, req, self.allow_remote_images) if chat else None
         ids = prepared.prompt_ids if chat else await asyncio.to_thread(self.completion_prompt, llm, req)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         params = self._params(m, req, len(ids), max_tokens, chat, prepared.params.structured if chat else None)
-        self._check_queue(m.engine)
+        check_queue(m.engine, self.max_queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(i, chat, llm.tokenizer, params.logprobs is not None, req.return_token_ids,
                           prepared.new_parser() if chat else None) for i in range(req.n)]
-        streams = self._start(m.engine, ids, params, rid, req.n)
+        streams = self._start(m.engine, ids, params, rid, req.n, prepared.mm if chat else None)
         try:
             # Wait for the engine to accept them (and for a first token) before committing to a 200.
-            firsts = [await _next_or_disconnect(s, http) for s in streams]
+            firsts = [await next_or_disconnect(s, http) for s in streams]
         except EngineDeadError as e:
-            await _close(streams)
+            await close_streams(streams)
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+        except InvalidGrammar as e:
+            await close_streams(streams)
+            field = _grammar_field(req)
+            raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
         except (MacinferError, ValueError) as e:
-            await _close(streams)
+            await close_streams(streams)
             raise APIError(400, str(e), None, "invalid_request") from None
         if any(f is None for f in firsts):  # the client left during the prefill
-            await _close(streams)
+            await close_streams(streams)
             return PlainTextResponse("", status_code=499)
         kind = "chat.completion" if chat else "text_completion"
         if req.stream:
@@ -224,9 +234,9 @@ class Server:
             d = first
             choice.add(d)
             while d.finish_reason is None:
-                d = await _next_or_disconnect(stream, http)
+                d = await next_or_disconnect(stream, http)
                 if d is None:
-                    await _close(streams)
+                    await close_streams(streams)
                     return PlainTextResponse("", status_code=499)
                 choice.add(d)
         outs = [c.output for c in choices]
@@ -262,7 +272,7 @@ class Server:
                 self.metrics.observe_request(out, "chat" if chat else "completions", model)
         finally:
             await deltas.aclose()
-            await _close(streams)  # aborts the requests still running (client left)
+            await close_streams(streams)  # aborts the requests still running (client left)
 
 
 def _logprobs(req: RequestBase, chat: bool) -> int | None:
@@ -271,6 +281,9 @@ def _logprobs(req: RequestBase, chat: bool) -> int | None:
         return None if req.logprobs is None or req.logprobs is False else int(req.logprobs)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       "top_logprobs", "invalid_value")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -323,42 +336,14 @@ async def _merged(firsts: list, streams: list) -> AsyncIterator[tuple[int, Any]]
                 await t
 
 
-async def _close(streams: list) -> None:
-    for s in streams:
-        await s.aclose()
-
-
-async def _next_or_disconnect(deltas, http: Request, poll: float = 0.5):
-    """The next delta, or None if the client disconnects first (the request is then aborted)."""
-    task = asyncio.ensure_future(deltas.__anext__())
-    try:
-        while True:
-            # NOTE: checked before every wait, not only after `poll` seconds without a delta: a
-            # non-streaming request decoding steadily never waits that long, and used to run to
-            # its end for a client that had gone.
-            if await http.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                await deltas.aclose()
-                return None
-            done, _ = await asyncio.wait({task}, timeout=poll)
-            if done:
-                return task.result()
-    except asyncio.CancelledError:
-        task.cancel()
-        await deltas.aclose()
-        raise
-
-
 # Requests waiting for a place in the batch (beyond max_num_seqs running) at most; more get a 429.
 MAX_QUEUE = 256
-RETRY_AFTER_SECONDS = 1
 
 
 def create_app(llm, *, api_key: str | None = None, model_name: str | None = None, engine=None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, health_auth: bool = False,
-               lenient: bool = False, models: PoolOptions | None = None) -> FastAPI:
+               lenient: bool = False, models: PoolOptions | None = None, allow_remote_images: bool = False,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """Build the FastAPI app serving `llm` (a macinfer.LLM), and with `models` others.
 
     Args:
@@ -372,6 +357,8 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
         max_queue: requests waiting beyond the engine's max_num_seqs at most; more get a 429.
         lenient: accept and ignore unknown request fields (default: a 400 naming the field).
         health_auth: /health requires the API key too (by default it is open, for load balancers).
+        allow_remote_images: image content parts may name http(s) URLs, fetched by the server.
+        response_store: where /v1/responses keeps stored responses (default: in memory, the last 1,000).
 
     Raises:
         MacinferError: an empty api_key.
@@ -392,19 +379,39 @@ def create_app(llm, *, api_key: str | None = None, model_name: str | None = None
 
     pool = ModelPool(ServedModel(model_name, None, llm=llm, engine=aengine), start_engine, models)
     metrics.attach_pool(pool)
-    server = Server(pool, metrics, max_queue=max_queue, lenient=lenient)
+    server = Server(pool, metrics, max_queue=max_queue, lenient=lenient, allow_remote_images=allow_remote_images)
+    keep_alive = ollama_models.KeepAlive(pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         pool.start()
         yield
+        keep_alive.shutdown()
         pool.shutdown()
 
     app = FastAPI(title="macinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    add_error_handling(app, metrics, api_key, max_body_bytes, health_auth)
+    add_error_handling(app, metrics, api_key, max_body_bytes, health_auth, shapes=ERROR_SHAPES)
     _add_routes(app, server)
+    # The other protocols, each a thin adapter over the same request path (macinfer.serve.generation).
+    responses.add_routes(app, server, response_store or ResponseStore(None))
+    anthropic.add_routes(app, server)
+    ollama.add_routes(app, server, keep_alive)
+    ollama_models.add_routes(app, server, keep_alive)
     return app
+
+
+def _grammar_field(req: RequestBase) -> str:
+    """The request field that carried its grammar: response_format, a guided_* field, or tool_choice."""
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name, None)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            return name
+    return "tool_choice"
+
+
+# Route prefix -> the error body of the protocol served there (OpenAI's elsewhere, /v1/responses included).
+ERROR_SHAPES = {"/v1/messages": anthropic.error_response, "/api/": ollama.error_response}
 
 
 def _load_prepared(load, spec: str):

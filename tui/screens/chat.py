@@ -7,6 +7,7 @@ The screen never calls the engine: it submits commands to the app's EngineProces
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 from rich.text import Text
 from textual import on
@@ -16,6 +17,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
+from macinfer.errors import MacinferError
+from macinfer.modelio.images import read_image
 from macinfer.tui import commands
 from macinfer.tui.messages import (EngineNotice, EngineStopped, LoadFailed, LoadProgress, ModelLoaded, ReplyFailed,
                           ReplyFinished, ReplyText, ReplyThought, StatsUpdate)
@@ -46,6 +49,7 @@ class ChatScreen(Screen):
         self.reply: Reply | None = None
         self.model_name: str | None = None
         self.card = None
+        self.attached: list[str] = []  # /image paths that go with the next message
 
     @property
     def ready(self) -> bool:
@@ -197,10 +201,11 @@ class ChatScreen(Screen):
         await self.send(text)
 
     async def send(self, text: str) -> None:
-        """Add the user turn and ask the engine for a reply."""
+        """Add the user turn (with the images /image attached) and ask the engine for a reply."""
         transcript = self.query_one(Transcript)
-        await transcript.add_user(text)
-        self.session.add("user", text)
+        images, self.attached = self.attached, []
+        await transcript.add_user(text, images)
+        self.session.add("user", text, images=images)
         self.reply = await transcript.add_reply()
         self.request_id = uuid.uuid4().hex[:12]
         self.engine.submit(Generate(self.request_id, self.session.messages(), self.session.params(), self.session.think))
@@ -287,6 +292,25 @@ class ChatScreen(Screen):
         self.session.clear()
         await self.query_one(Transcript).clear()
         await self._notice("conversation cleared" + (" (system prompt kept)" if self.session.system else ""))
+
+    async def cmd_image(self, arg: str) -> None:
+        """Attach an image to the next message (checked here; the engine process reads it again)."""
+        if not arg:
+            names = ", ".join(Path(p).name for p in self.attached)
+            await self._notice(f"attached to your next message: {names}" if names
+                               else "no image attached: /image FILE attaches one (/image - drops them)")
+            return
+        if arg == "-":
+            self.attached = []
+            await self._notice("attached images dropped")
+            return
+        path = Path(arg).expanduser().resolve()
+        try:
+            image = read_image(path, str(path))
+        except MacinferError as e:
+            raise ValueError(str(e)) from None
+        self.attached.append(str(path))
+        await self._notice(f"[image: {path.name}] {image.size[0]}x{image.size[1]}, attached to your next message")
 
     async def cmd_temp(self, arg: str) -> None:
         await self._set_session_value("temperature", arg, float, "a number", "temperature {:g}",

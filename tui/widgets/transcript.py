@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
@@ -218,8 +219,10 @@ class Transcript(VerticalScroll):
     def on_mount(self) -> None:
         self.anchor()
 
-    async def add_user(self, text: str) -> None:
-        await self.mount(Static(text, markup=False, classes="turn user"))
+    async def add_user(self, text: str, images: list[str] | tuple = ()) -> None:
+        """A user turn; its attached images (paths) are named above its text."""
+        shown = "".join(f"[image: {Path(p).name}]\n" for p in images) + text
+        await self.mount(Static(shown, markup=False, classes="turn user"))
         self.anchor()
 
     async def add_reply(self) -> Reply:
@@ -232,7 +235,7 @@ class Transcript(VerticalScroll):
         """Show earlier turns (a loaded conversation) as if they had just been written."""
         for t in turns:
             if t["role"] == "user":
-                await self.add_user(t["content"])
+                await self.add_user(t["content"], t.get("images", ()))
             else:
                 reply = await self.add_reply()
                 if t.get("reasoning"):

@@ -21,7 +21,7 @@ on a shared machine the best is the least disturbed) of:
 each kept quantised, and dequantised to float32 (what macinfer loads by default on a host
 without Metal, where float32 + OpenBLAS is the fast configuration: docs/platform.md).
 
-    python scripts/bench/gguf.py [--model gemma|smollm|both] [--tokens 32] [--runs 7] [--fallback keep|requant]
+    python scripts/bench/gguf_decode.py [--model gemma|smollm|both] [--tokens 32] [--runs 7] [--fallback keep|requant]
 """
 
 from __future__ import annotations

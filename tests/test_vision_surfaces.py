@@ -1,0 +1,171 @@
+"""Images through `serve` (the openai SDK), `run --image`, and bad input, on a tiny gemma3 vision model.
+
+The answers are checked against mlx-vlm's own greedy generation for the same text and image
+(tests/test_vision.py's oracle); every bad input is a 400 (or one line on the command line) and
+the server keeps answering.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+import macinfer  # noqa: F401  (OpenBLAS before mlx)
+
+pytest.importorskip("mlx_vlm")
+
+import openai  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from macinfer.cli.main import main  # noqa: E402
+from macinfer.llm import LLM  # noqa: E402
+from macinfer.modelio import images as images_module  # noqa: E402
+from macinfer.modelio.images import read_image  # noqa: E402
+from macinfer.serve.server import create_app, serve_in_thread  # noqa: E402
+from test_vision import MAX_TOKENS, messages, oracle  # noqa: E402
+from tiny_vision import build_tiny_vlm, write_images  # noqa: E402
+
+MODEL = "tiny-gemma3-vision"
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """(model path, image paths, LLM, mlx-vlm model, mlx-vlm processor)."""
+    from mlx_vlm.utils import load
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm-gemma3"), "gemma3")
+    pics = write_images(tmp_path_factory.mktemp("pics"), 2)
+    llm = LLM(str(path), engine="paged", num_blocks=64, block_size=4)
+    return (path, pics, llm, *load(str(path)))
+
+
+@pytest.fixture(scope="module")
+def served(vision, tiny_models):
+    """Base URLs of the vision model's server and of a text-only model's."""
+    llm = vision[2]
+    text = LLM(str(tiny_models("llama")), num_blocks=64)
+    with serve_in_thread(create_app(llm, model_name=MODEL)) as url, \
+            serve_in_thread(create_app(text, model_name="tiny-text")) as text_url:
+        yield url, text_url
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def chat(url, content, model=MODEL, **kw):
+    return client(url).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True}, **kw)
+
+
+def test_openai_sdk_sends_a_base64_image_and_gets_mlx_vlm_s_answer(vision, served):
+    path, pics, llm, vmodel, processor = vision
+    url, _ = served
+    content = [{"type": "image_url", "image_url": {"url": data_url(pics[0])}},
+               {"type": "text", "text": "Describe the fox"}]
+    r = chat(url, content)
+    want = oracle(vmodel, processor, llm, "Describe the fox", [read_image(pics[0])])[1]
+    assert r.choices[0].message.content == llm.tokenizer.decode(want)
+    assert r.usage.completion_tokens == MAX_TOKENS
+    # The same image as a local path, streamed: the same answer, and the image's blocks come from the cache.
+    stream = client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(pics[0])}},
+                                                            {"type": "text", "text": "Describe the fox"}]}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("part, model, match", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}, MODEL, "not an image"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, MODEL, "base64"),
+    ({"type": "image_url", "image_url": {"url": "/no/such/file.png"}}, MODEL, "cannot read"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, MODEL, "--allow-remote-images"),
+    ("tall", MODEL, "megapixels"),
+    ("ok", "tiny-text", "does not take images"),
+    ("nine", MODEL, "at most 8"),
+])
+def test_bad_images_are_a_400_and_the_server_keeps_serving(vision, served, part, model, match, monkeypatch):
+    url, text_url = served
+    pics = vision[1]
+    ok = {"type": "image_url", "image_url": {"url": data_url(pics[1])}}
+    if part == "tall":  # the limit lowered under the test images' size, rather than a 50-megapixel file built
+        monkeypatch.setattr(images_module, "MAX_IMAGE_PIXELS", 1000)
+    named = {"tall": [{"type": "image_url", "image_url": {"url": data_url(pics[0])}}], "ok": [ok], "nine": [ok] * 9}
+    content = (named[part] if isinstance(part, str) else [part]) + [{"type": "text", "text": "What is it?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(url if model == MODEL else text_url, content, model=model)
+    assert match in e.value.body["message"] and "\n" not in e.value.body["message"]
+    monkeypatch.undo()
+    assert chat(url, [ok, {"type": "text", "text": "And now?"}]).choices[0].message.content  # still serving
+
+
+def test_run_image_prints_mlx_vlm_s_answer_and_bad_files_are_one_line(vision, tmp_path):
+    path, pics, llm, vmodel, processor = vision
+    runner = CliRunner()
+    r = runner.invoke(main, ["run", str(path), "--image", str(pics[0]), "Describe the fox", "-n", str(MAX_TOKENS),
+                             "--json", "--no-prefix-cache"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    want = oracle(vmodel, processor, llm, "Describe the fox", [read_image(pics[0])])[1]
+    eos = set(llm.engine.eos_token_ids)
+    assert out["token_ids"] == (want[: next((i for i, t in enumerate(want) if t in eos), len(want))])
+    bad = tmp_path / "bad.jpg"
+    bad.write_text("not a jpeg")
+    r = runner.invoke(main, ["run", str(path), "--image", str(bad), "Describe it"])
+    assert r.exit_code != 0 and "not an image" in r.output and "Traceback" not in r.output
+
+
+def test_messages_with_images_render_through_the_model_s_template(vision):
+    """The image part lands where the template puts it, and the placeholder count matches the images."""
+    path, pics, llm, *_ = vision
+    ids, mm = llm.image_prompt(messages("Two?", 2), [read_image(p) for p in pics])
+    assert mm.num_images == 2 and [ids[a] for a, _ in mm.spans] == [llm.images.image_token_id] * 2
+    assert all(ids[b - 1] == llm.images.end_token_id for _, b in mm.spans)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_chat_image_attaches_shows_and_saves_the_picture(vision, tmp_path):
+    """`/image FILE` then a message: the transcript names the image, the reply is mlx-vlm's, and /save
+    keeps the attachment (/load shows it again)."""
+    from macinfer.tui.app import ChatApp
+    from test_tui import loaded, notices, send, wait_for
+
+    path, pics, llm, vmodel, processor = vision
+    app = ChatApp(str(path), peak_bandwidth=100, max_tokens=MAX_TOKENS)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        await send(pilot, "/image /no/such.png")
+        assert "cannot read" in notices(app)[-1]
+        await send(pilot, f"/image {pics[0]}")
+        assert "[image: image0.png]" in notices(app)[-1]
+        await send(pilot, "Describe the fox")
+        await wait_for(pilot, lambda: app.chat.request_id is None, what="the reply")
+        user = [str(w.render()) for w in app.chat.query(".user")]
+        assert user[-1].startswith("[image: image0.png]") and user[-1].endswith("Describe the fox")
+        want = oracle(vmodel, processor, llm, "Describe the fox", [read_image(pics[0])])[1]
+        eos = set(llm.engine.eos_token_ids)
+        want = want[: next((i for i, t in enumerate(want) if t in eos), len(want))]
+        assert app.session.turns[-1]["content"] == llm.tokenizer.decode(want)
+        assert app.chat.attached == []  # it went with that message
+        saved = tmp_path / "chat.json"
+        await send(pilot, f"/save {saved}")
+        assert json.loads(saved.read_text())["messages"][0]["images"] == [str(pics[0].resolve())]
+        await send(pilot, "/clear")
+        await send(pilot, f"/load {saved}")
+        await wait_for(pilot, lambda: any("[image: image0.png]" in str(w.render()) for w in app.chat.query(".user")),
+                       what="the loaded turn")
