@@ -128,7 +128,7 @@ def _sometimes_drafting(load):
     drafter = Sometimes(prompts, want, right=True, vocab=model.args.vocab_size)
     engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, draft=drafter, num_speculative_tokens=3)
     observe = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds: observe(tokens, 1e-3 + 1e-4 * tokens)
+    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 1e-3 + 1e-4 * tokens, **kw)
 
     def serve():
         out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")

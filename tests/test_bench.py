@@ -93,3 +93,32 @@ def test_cli_bad_input_is_one_line():
     assert r.exit_code != 0 and "--concurrency" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["bench", "--url", "http://127.0.0.1:9", "-c", "1", "-p", "8", "-n", "2"])
     assert r.exit_code != 0 and "cannot reach" in r.output
+
+
+def test_predicted_speedup_limits():
+    """The cost model (docs/speculation.md): with a verify step as cheap as a plain one and free drafts,
+    every verify step is worth its 1 + m tokens; with verify cost growing with every token (quantised
+    matmul on a CPU), the same acceptance loses; steps that drafted nothing count as plain steps."""
+    from macinfer.spec_decode.step_cost import predicted_speedup
+
+    flat, linear = (lambda tokens: 0.05), (lambda tokens: 0.05 * tokens)
+    assert predicted_speedup(flat, 0.0, 1, 10, 30, 12, 0) == pytest.approx(2.2)
+    assert predicted_speedup(linear, 0.0, 1, 10, 30, 12, 0) == pytest.approx(2.2 / 4)
+    assert predicted_speedup(flat, 0.0, 1, 10, 30, 12, 22) == pytest.approx(44 / 32)  # half the tokens plain
+    assert predicted_speedup(flat, 0.01, 1, 10, 30, 12, 0) < 2.2  # draft rounds cost time
+    assert predicted_speedup(flat, 0.0, 1, 0, 0, 0, 20) is None
+
+
+def test_cli_draft_prints_the_predicted_beside_the_measured(tiny_models):
+    r = CliRunner().invoke(main, ["bench", str(tiny_models("llama")), "-c", "1,2", "-p", "16", "-n", "12",
+                                  "--draft", "ngram", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert sorted(s["label"] for s in out["scenarios"]) == ["macinfer", "macinfer", "macinfer+ngram", "macinfer+ngram"]
+    rows = out["speculation"]
+    assert [x["concurrency"] for x in rows] == [1, 2] and all(x["measured_x"] > 0 for x in rows)
+    for x in rows:  # predicted where something was drafted, from that run's own counts and costs
+        assert (x["predicted_x"] is None) == (x["k"] is None)
+    text = CliRunner().invoke(main, ["bench", str(tiny_models("llama")), "-c", "1", "-p", "16", "-n", "12",
+                                     "--draft", "ngram"])
+    assert text.exit_code == 0 and "predicted x" in text.output and "measured x" in text.output

@@ -111,10 +111,11 @@ def test_shipped_feature_draft_is_accepted(target):
 
 
 def test_auto_is_the_shipped_draft_with_lookup(target):
-    """draft="auto" for the embedded model: its feature draft, plus n-gram lookup where text repeats."""
+    """draft="auto" for the embedded model: its feature draft, plus n-gram lookup where that pays;
+    for a model nothing is made for, lookup alone (macinfer.spec_decode.auto_draft)."""
     from types import SimpleNamespace
 
-    from macinfer.spec_decode.drafter import LookupDrafter
+    from macinfer.spec_decode.drafter import LookupDrafter, NgramDrafter
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.spec_decode.feature_draft import FeatureDrafter
 
@@ -124,8 +125,8 @@ def test_auto_is_the_shipped_draft_with_lookup(target):
     d = engine.spec.drafter
     assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name == "smollm2-135m+ngram"
     other = SimpleNamespace(name="some-other-model", context_length=8192)
-    assert LLMEngine(model, tokenizer, other, kv_memory="32MB", enable_prefix_cache=False,
-                     draft="auto").spec is None  # nothing shipped for it
+    e = LLMEngine(model, tokenizer, other, kv_memory="32MB", enable_prefix_cache=False, draft="auto")
+    assert isinstance(e.spec.drafter, NgramDrafter) and e.draft_choice.kind == "ngram"  # nothing made for it
 
 
 def _leaves(m):

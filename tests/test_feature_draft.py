@@ -171,7 +171,7 @@ def test_a_draft_that_always_declines_is_soon_not_asked(fm):
     # Costs that make drafting look worth it at the prior acceptance (1 ms steps + 0.1 ms per
     # token, 0.3 ms draft rounds), so only the declines can turn it off.
     cost = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds: cost(tokens, 1e-3 + 1e-4 * tokens)
+    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: cost(tokens, 1e-3 + 1e-4 * tokens, **kw)
     engine.spec.draft_round_seconds = lambda: 3e-4
     calls, spans = [], []
     propose, observe = d.propose, d.observe

@@ -290,7 +290,8 @@ def model_vocab(model):
 
 def test_drafts_that_cannot_be_exact_are_refused(hybrid):
     path, model, tok = hybrid("lfm2")
-    assert LLMEngine(model, tok, None, num_blocks=16, draft="auto").spec is None  # nothing shipped for it
+    auto = LLMEngine(model, tok, None, num_blocks=16, draft="auto")  # nothing made for it: lookup alone
+    assert auto.draft_choice.kind == "ngram" and auto.spec.drafter.name == "ngram"
     draft_path, draft_model, _ = hybrid("mamba2")
     with pytest.raises(MacinferError, match="draft models with recurrent state layers are not supported yet"):
         LLMEngine(model, tok, None, num_blocks=16, draft=draft_model)

@@ -378,11 +378,11 @@ def test_show_describes_a_downloaded_model(populated, tiny):
     assert info["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert info["chat_template"] is True
     assert info["paged_engine"].startswith("yes")
-    assert info["shipped_draft"] is None
+    assert info["shipped_draft"] is None and info["auto_draft"].startswith("n-gram lookup (no MTP layers")
     text = cli("show", "my-q4")
     assert text.exit_code == 0, text.output
     for word in ("architecture", "parameters", "quantisation", "context", "KV per token", "chat template",
-                 "path", "size on disk", "paged engine", "shipped draft"):
+                 "path", "size on disk", "paged engine", "draft (auto)"):
         assert word in text.output
 
 
@@ -391,10 +391,14 @@ def test_show_the_embedded_model_and_a_catalog_entry(env):
     assert r.exit_code == 0, r.output
     info = json.loads(r.output)
     assert info["kind"] == "embedded" and info["shipped_draft"] == "smollm2-135m"
+    assert info["auto_draft"] == "smollm2-135m (the feature draft shipped for it) with n-gram lookup"
     assert info["architecture"] == "llama" and info["kv_bytes_per_token"] > 0
     r = cli("show", "qwen3-8b")
     assert r.exit_code == 0, r.output
     assert "not downloaded" in r.output and "macinfer pull qwen3-8b" in r.output
+    # Its known drafts (models/catalog.json), not on disk: what --with-draft would fetch.
+    assert "known drafts not downloaded: RedHatAI/Qwen3-8B-speculator.eagle3, qwen3-0.6b" in r.output
+    assert "macinfer pull qwen3-8b --with-draft" in r.output
 
 
 def test_show_unknown_is_one_line(env):

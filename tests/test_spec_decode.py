@@ -401,3 +401,45 @@ def test_run_cli_draft_options(models):
     assert "accepted_per_step" in stats  # (None if adaptive k never drafted: it is timing-driven)
     result = CliRunner().invoke(main, args + ["--draft", "ngram", "--no-draft"])
     assert result.exit_code != 0 and "contradict" in result.output
+
+
+@pytest.mark.parametrize("good", ["model", "lookup"])
+def test_each_row_drafts_with_whichever_pays(models, good):
+    """A LookupDrafter offers lookup and its model for a row whose text matches an earlier stretch;
+    adaptive k weighs each by its own measured acceptance, so wrong lookups stop displacing right
+    model drafts (and the other way round). Costs are made deterministic (a 10 ms step, +1 ms per
+    token), so the outcome depends on acceptance alone; output is mlx-lm's either way."""
+    from macinfer.spec_decode.drafter import LookupDrafter
+
+    m = models
+
+    class Lookup(NgramDrafter):  # a match everywhere, its drafts right or wrong
+        def __init__(self, right):
+            super().__init__()
+            self.inner = ScriptedDrafter(m["prompts"], m["want"], right, m["model"].args.vocab_size)
+
+        def match_length(self, seq):
+            return 5
+
+        def available(self, seq, k):
+            return k
+
+        def propose(self, seqs, num_draft):
+            self.inner.propose(seqs, num_draft)
+
+    model = ScriptedDrafter(m["prompts"], m["want"], right=good == "model", vocab=m["model"].args.vocab_size)
+    drafter = LookupDrafter(model, Lookup(right=good == "lookup"))
+    engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=60, draft=drafter,
+                       num_speculative_tokens=3)
+    observe = engine.spec.step_cost.observe
+    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 0.010 + 0.001 * tokens, **kw)
+    used = {"model": 0, "lookup": 0}
+    for key, part in (("model", model), ("lookup", drafter.ngram)):
+        def spy(seqs, ks, propose=part.propose, key=key):
+            used[key] += sum(k for k in ks)
+            propose(seqs, ks)
+        part.propose = spy
+    out = run(engine, [(0, m["prompts"][0], SamplingParams(max_tokens=MAX_TOKENS), "r")])
+    assert out["r"].token_ids == m["want"][0]
+    bad = "lookup" if good == "model" else "model"
+    assert used[good] > 3 * max(used[bad], 1), used

@@ -65,7 +65,7 @@ class ChatBackend:
         self.dequantize = dequantize
         self.peak_override = peak_bandwidth
         self.engine_options = engine_options
-        self.draft_when_on = engine_options.get("draft") or "ngram"  # what /spec on drafts with
+        self.draft_when_on = engine_options.get("draft") or "auto"  # what /spec on drafts with
         self.llm = None
         self.engine: Engine | None = None  # the paged LLMEngine or the mlx-lm DenseEngine
         self.info = None
@@ -105,6 +105,7 @@ class ChatBackend:
             peak_source=self.peak.source if self.peak else None,
             prefix_cache=self.prefix_cache, speculation=self.speculation,
             attention=self.engine.attention_backend, spec=self.spec,
+            drafter=self.engine.features.drafter if self.engine is not None else None,
         )
 
     def close(self) -> None:
@@ -230,7 +231,8 @@ class ChatBackend:
             self.engine_options = before
             self._rebuild_engine(before)
             raise MacinferError(f"could not switch {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        detail = f" ({options['draft']} drafter)" if name == "speculation" and on else ""
+        drafter = self.engine.features.drafter if self.engine is not None else None
+        detail = f" ({drafter or options['draft']} drafter)" if name == "speculation" and on else ""
         return f"{what} {'on' if on else 'off'}{detail}"
 
     def _rebuild_engine(self, options: dict) -> None:

@@ -45,6 +45,7 @@ class ModelCard:
     attention: str = "reference"  # the engine's attention backend: "metal" or "reference"
     spec: str | None = None  # MODEL as it was asked for (None: the embedded default): what /save records
     server: str | None = None  # the server it runs on (`chat --url`); None: loaded here
+    drafter: str | None = None  # the drafter while speculation is on (what `--draft auto` picked)
 
 
 @dataclass

@@ -30,7 +30,8 @@ from macinfer.errors import MacinferError
               help="Measure each scenario this many times (with --compare, alternating with the baseline); report medians.")
 @click.option("--compare", type=click.Choice(["mlx-lm"]), help="Run the same sweep on mlx-lm's BatchGenerator and print ratios.")
 @click.option("--compare-url", help="Run the same sweep against a second server (e.g. mlx_lm.server) and print ratios.")
-@click.option("--draft", help="Also run every scenario with speculation on (a draft model, 'ngram', MODEL+ngram or 'auto').")
+@click.option("--draft", help="Also run every scenario with speculation on (auto, a draft model, mtp, ngram, MODEL+ngram), "
+                              "and print the cost model's predicted speed-up beside the measured one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write latency/throughput and TTFT plots (PNG).")
 @click.option("--kv-memory", help="KV cache budget for the in-process engine, e.g. 2GB.")
@@ -72,13 +73,19 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     summaries, base = _sweep(scenarios, backends, llm, compare, baseline, seed, repeats, progress)
     ours = [s for s in summaries if s["label"] == backends[0].label]
     ratio_rows = bench.ratios(ours, base) if base else None
+    drafted = backends[1].llm.engine if draft else None
+    draft_rows = (bench.draft_rows(ours, [s for s in summaries if s["label"] == backends[1].label], drafted.spec)
+                  if drafted is not None and drafted.features.speculation else None)
     if plot_path:
         bench.plot(summaries + base, plot_path)
     if as_json:
         click.echo(json.dumps({"model": llm.info.name if llm else (model or url), "url": url,
-                               "scenarios": summaries, "baseline": base, "ratios": ratio_rows}, indent=1))
+                               "scenarios": summaries, "baseline": base, "ratios": ratio_rows,
+                               "speculation": draft_rows}, indent=1))
     else:
         bench.render(summaries + base, ratio_rows)
+        if draft_rows:
+            bench.render_draft(draft_rows, backends[1].label)
         if plot_path:
             click.echo(f"plot written to {plot_path}", err=True)
 
@@ -99,7 +106,8 @@ def _backends(model, url, api_key, draft, dequantize, opts: dict) -> tuple:
         except TypeError:
             raise MacinferError("this engine does not take a draft yet (--draft)") from None
         backends.append(bench.InProcessBackend(drafted))
-        backends[-1].label = f"macinfer+{draft}"
+        name = drafted.engine.features.drafter
+        backends[-1].label = f"macinfer+{name if name and name != draft else draft}"
     return llm, backends
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -136,9 +137,10 @@ def stats_line(s: dict) -> str:
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Recompute the whole prompt: no reuse of a prefix cached in memory or on disk.")
-@click.option("--draft", metavar="MODEL|ngram|MODEL+ngram|auto",
-              help="Speculative decoding with a draft model, n-gram lookup, both, or the model's shipped draft.")
-@click.option("--no-draft", is_flag=True, help="No speculative decoding, not even the shipped draft.")
+@click.option("--draft", metavar="auto|MODEL|mtp|ngram|MODEL+ngram",
+              help="Speculative decoding: auto (the default: the best drafter found for the model), a draft "
+                   "model or EAGLE-3 draft (name, path or repo id), the model's own MTP layers, n-gram lookup, both.")
+@click.option("--no-draft", is_flag=True, help="No speculative decoding.")
 @click.option("--verbose", "-v", is_flag=True, help="Print model and engine details to stderr.")
 @engine_option
 @parallel_option
@@ -157,12 +159,16 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     long system prompt skips that part of the prefill ("N cached" in the stats).
 
     Speculative decoding (exact: greedy output is unchanged, sampling keeps the
-    model's distribution; k adapts to measured acceptance and costs): --draft
-    ngram drafts from the prompt itself (editing, quoting), --draft MODEL uses a
-    small model with the same tokenizer, --draft MODEL+ngram looks up where the
-    text repeats itself and asks the model elsewhere, --draft auto is the draft
-    shipped for the model with lookup (smollm2-135m+ngram). Off by default
-    (with drafts, a --seed run is not reproducible: k depends on timing).
+    model's distribution; k adapts to measured acceptance and costs, down to
+    none). By default --draft auto finds a drafter: the model's own MTP layers,
+    a draft made for it (shipped, or an EAGLE-3 draft the catalog lists, on
+    disk), a smaller model on disk with the same tokenizer, else n-gram lookup;
+    -v says which. --draft ngram drafts from the prompt itself (editing,
+    quoting), --draft MODEL uses a draft model or EAGLE-3 draft, --draft mtp
+    the checkpoint's MTP layers, --draft MODEL+ngram both. With --seed and
+    --temp > 0 it is off unless asked for (k depends on timing, so drafts make
+    a seeded run unrepeatable); with quantised weights on a host without Metal
+    auto drafts nothing (verifying k drafts costs k steps there).
 
     --json-schema FILE constrains the reply to JSON valid under that schema: every
     token is sampled from those the grammar allows (llguidance), and the reply
@@ -181,7 +187,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
       macinfer run ./SmolLM2-135M-Instruct.Q4_1.gguf "Tell me a joke" --temp 0.7 --seed 1
       macinfer run mlx-community/Qwen3-0.6B-4bit "Hello" --max-tokens 64 --json
       macinfer run --draft ngram "Fix the typo: def add(a, b): retrun a + b"
-      macinfer run --draft auto --dequantize "List ten fruits, one per line."
+      macinfer run -v --draft mtp ./Qwen3-Next-80B-A3B-Instruct "Hello"
       macinfer run "Describe Paris as JSON" --json-schema city.json
       macinfer run mlx-community/Qwen3-0.6B-4bit "Why is the sky blue?" --hide-thinking
       macinfer run gemma3-4b --image cat.jpg "Describe it"
@@ -204,11 +210,7 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
     options = {"max_num_seqs": 1, **({"kv_memory": kv_memory} if kv_memory else {}),
                "enable_prefix_cache": not no_prefix_cache, "persist_prefix_cache": not no_prefix_cache,
                "kv_bits": int(kv_bits) if kv_bits else None, "attention": attention}
-    # NOTE: no draft unless asked: `macinfer run` loads the 4-bit model, whose verify pass costs
-    # ~k single-token steps on a CPU host (docs/platform.md), and the shipped SmolLM2 draft agrees with
-    # the target on 46% of held-out chat tokens (models/smollm2-135m-eagle/README.md): with float32
-    # weights (--dequantize) and --draft auto it measured 1.26-1.31x over 48 held-out chat prompts on dev CPUs.
-    options["draft"] = None if no_draft else draft
+    options["draft"] = None if no_draft else draft or _default_draft(seed, temp, engine)
     llm = LLM(model, dequantize=dequantize, engine=engine, parallel=parallel, micro_batches=micro_batches, **options)
     info = llm.info
     if verbose:
@@ -229,6 +231,18 @@ def run_cmd(args, system, max_tokens, temp, top_p, top_k, min_p, seed, stop, rep
         sys.stdout.write("\n")
         sys.stdout.flush()
         click.echo(stats_line(stats), err=True)
+
+
+def _default_draft(seed, temp: float, engine: str) -> str | None:
+    """`auto` unless drafts would cost what the user asked for: a seeded sampled run repeats only
+    without them (k depends on timing), mlx-lm's engine has none, and across ranks it is off.
+
+    NOTE: auto itself drafts nothing where verifying does not pay (quantised weights on MLX's CPU
+    backend: macinfer.spec_decode.auto_draft.verify_pays).
+    """
+    if (seed is not None and temp > 0) or engine == "mlx-lm" or os.environ.get("MLX_RANK") is not None:
+        return None
+    return "auto"
 
 
 def _model_and_prompt(args: tuple[str, ...]) -> tuple[str | None, str]:

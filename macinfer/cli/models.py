@@ -102,23 +102,35 @@ def ls_cmd(as_json, available):
 
 @click.command("pull")
 @click.argument("model")
+@click.option("--with-draft", is_flag=True,
+              help="Also fetch the drafts the catalog lists for MODEL (EAGLE-3 drafts, a smaller model of its family).")
 @_one_line
-def pull_cmd(model):
+def pull_cmd(model, with_draft):
     """Download MODEL (a catalog name or a Hugging Face repo id) into the Hugging Face cache.
 
     Only what mlx-lm needs is fetched (config, tokenizer, model*.safetensors), with
     progress bars; an interrupted pull resumes where it stopped. A repo that is not
     an MLX / Hugging Face causal LM is refused before its weights download.
+    --with-draft also fetches the drafts the catalog pairs with MODEL, which
+    `--draft auto` then uses.
 
     \b
     Examples:
       macinfer pull qwen3-0.6b
       macinfer pull mlx-community/Llama-3.2-3B-Instruct-4bit
+      macinfer pull llama3.1-8b --with-draft
     """
     from macinfer.modelio.model_files import fmt_params
-    from macinfer.modelio.hub import pull
+    from macinfer.modelio.hub import pull, pull_drafts
 
     m = pull(model)
+    if with_draft:
+        drafts = pull_drafts(model)
+        for draft in drafts:
+            click.echo(f"pulled draft {draft}")
+        if not drafts:
+            click.echo(f"the catalog lists no drafts for {model}: `--draft auto` will use its MTP layers, a smaller "
+                       "model on disk with its tokenizer, or n-gram lookup")
     if m.description.startswith("already in the cache"):
         click.echo(f"{m.repo_id}: {m.description}", err=True)
     click.echo(f"pulled {m.repo_id}: {m.architecture}, {fmt_params(m.num_params)} parameters, "
@@ -191,9 +203,10 @@ def show_cmd(model, as_json, no_probe):
 
     Architecture, parameters, quantisation, context length, KV-cache bytes per
     token, chat template, path, size on disk, and which engine features apply:
-    whether the paged engine accepts it (probed from config.json) and whether a
-    draft ships for it (`--draft auto`). MODEL is anything `macinfer ls` lists, a
-    path, or a repo id.
+    whether the paged engine accepts it (probed from config.json) and which
+    drafter `--draft auto` would give it (its MTP layers, a draft made for it, a
+    smaller model on disk with its tokenizer, or n-gram lookup). MODEL is
+    anything `macinfer ls` lists, a path, or a repo id.
 
     \b
     Examples:
@@ -215,11 +228,13 @@ def _show_info(m, no_probe: bool) -> dict:
     from macinfer.modelio.gguf_stores import find_stored
     from macinfer.modelio.registry import gguf_conversion
     from macinfer.modelio.removal import STORE_KINDS
+    from macinfer.spec_decode.auto_draft import describe_auto
     from macinfer.spec_decode.speculator import shipped_draft_for
 
     draft = shipped_draft_for(m.catalog_name or m.name)
     info = {**m.to_json(), "kv_bytes_per_token": None, "kv_dtype": None, "chat_template": None,
-            "paged_engine": None, "shipped_draft": draft, "vision": _vision(m)}
+            "paged_engine": None, "shipped_draft": draft, "auto_draft": describe_auto(m),
+            "vision": _vision(m)}
     if m.downloaded and m.path is not None:
         from macinfer.perf.kv_calc import from_config, kv_bytes_per_token
 
@@ -260,7 +275,6 @@ def _print_show(m, info: dict) -> None:
     """`show` as text: one line per fact, or where to get a model not downloaded yet."""
     from macinfer.modelio.model_files import fmt_params
 
-    draft = info["shipped_draft"]
     if not m.downloaded:
         where = m.repo_id or m.name
         click.echo(f"{m.name}: not downloaded" + (f" ({m.description})" if m.description else ""))
@@ -269,6 +283,7 @@ def _print_show(m, info: dict) -> None:
             if m.size_bytes:
                 click.echo(f"  size          {m.size_text} (approximate)")
             click.echo(f"  get it:       macinfer pull {m.catalog_name or where}")
+            click.echo(f"  draft (auto)  {info['auto_draft']}")
         return
     kv = (f"{info['kv_bytes_per_token']:,} bytes ({fmt_bytes(info['kv_bytes_per_token'])}, {info['kv_dtype']} K/V)"
           if info["kv_bytes_per_token"] else "?")
@@ -283,7 +298,7 @@ def _print_show(m, info: dict) -> None:
         ("size on disk", m.size_text),
         ("paged engine", info["paged_engine"] or "?"),
         ("sees images", info["vision"]),
-        ("shipped draft", f"yes: {draft} (--draft auto)" if draft else "no"),
+        ("draft (auto)", info["auto_draft"]),
     ]
     for i, (gtype, n, size) in enumerate(info.get("gguf_types") or []):
         lines.append(("GGUF types" if i == 0 else "", f"{gtype}: {n} tensors, {fmt_bytes(size)}"))

@@ -35,6 +35,9 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @click.option("--max-num-seqs", type=click.IntRange(1), help="Requests decoded together at most.")
 @click.option("--dequantize/--keep-quantized", default=None,
               help="Load quantised weights as float, or keep them quantised (default: float where there is no Metal and it fits, where it is faster).")
+@click.option("--draft", metavar="auto|MODEL|mtp|ngram|MODEL+ngram",
+              help="Speculative decoding for every model served: auto (the best drafter found for each model), a "
+                   "draft model or EAGLE-3 draft, the model's MTP layers, n-gram lookup (default: none).")
 @click.option("--lenient", is_flag=True,
               help="Accept and ignore request fields the server does not know (default: a 400 naming the field).")
 @click.option("--allow-remote-images", is_flag=True,
@@ -48,7 +51,7 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
-              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, lenient, allow_remote_images,
+              max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, draft, lenient, allow_remote_images,
               max_stored_responses, log_level, engine, parallel, micro_batches):
     """Serve MODEL over OpenAI's, Anthropic's and Ollama's HTTP APIs with continuous batching.
 
@@ -82,11 +85,16 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     others (or --models-memory), the least recently used one is unloaded once its
     requests have finished. /metrics then labels each series with model="...".
 
+    --draft auto drafts for each model with what `--draft auto` finds for it
+    (docs/speculation.md; exact, k adapts to the load); GET /v1/models says
+    which drafter each loaded model uses ("draft").
+
     \b
     Examples:
       macinfer serve                                    # embedded SmolLM2-135M on 127.0.0.1:8000
       macinfer serve ./my-mlx-model --port 8080 --api-key secret
       macinfer serve --model smollm2-135m --model ./my-mlx-model --max-loaded-models 2
+      macinfer serve qwen3-8b --draft auto
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
       OLLAMA_HOST=127.0.0.1:8000 ollama list              # Ollama's own CLI and clients
@@ -106,7 +114,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     specs = ([model] if model else []) + list(models)
     others = _named(specs[1:])  # a typo is found now, not at the first request naming it
     PoolOptions(others=others, max_loaded=max_loaded_models)  # its refusals before the model loads
-    options = engine_options(kv_memory, max_num_seqs)
+    options = engine_options(kv_memory, max_num_seqs) | ({"draft": draft} if draft else {})
     llm = LLM(specs[0] if specs else None, dequantize=dequantize, engine=engine, parallel=parallel,
               micro_batches=micro_batches, **options)
     click.echo(llm.engine.describe(), err=True)

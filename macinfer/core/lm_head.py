@@ -51,6 +51,14 @@ class SubsetHead:
         self.weight = embed(self.ids)  # (N, D) dequantised rows, a copy: 8,192 rows x 576 = 19 MB in float32
         self.vocab = vocab
 
+    @classmethod
+    def mapping(cls, ids, vocab: int) -> "SubsetHead":
+        """The map of a draft's own smaller vocabulary onto the target's (row i is target token ids[i]),
+        with no weight: the draft computes those N logits with its own head (an EAGLE-3 draft's d2t)."""
+        head = cls.__new__(cls)
+        head.ids, head.weight, head.vocab = ids.astype(mx.int32), None, vocab
+        return head
+
     def __call__(self, h):
         return self.expand(h @ self.weight.T)
 

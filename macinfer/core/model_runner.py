@@ -398,8 +398,8 @@ class ModelRunner:
             return 0
         self.states.rollback([r.seq for r in redo])
         for sub in self._groups(redo):  # unpadded groups for models that ignore lengths
-            self.forward([redo[i] for i in sub])
-            mx.eval([c.state for c in self.caches])  # see execute_model's NOTE
+            self.forward([redo[i] for i in sub])  # a feature draft's sink sees these positions again
+            mx.eval([c.state for c in self.caches] + self._take_with_forward())  # see execute_model's NOTE
         return len(redo)
 
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[list[int]]:

@@ -116,7 +116,8 @@ class LLMEngine(RequestTable):
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.grammars = GrammarCompiler(_hf_tokenizer(tokenizer), _logits_width(model, tokenizer),
                                         list(self.eos_token_ids))
-        self.spec = make_spec_decoder(config, model, tokenizer, getattr(info, "name", None), num_blocks, bs)
+        # draft="auto" says what it found (draft_choice: the -v line, the chat panel, /v1/models).
+        self.spec, self.draft_choice = make_spec_decoder(config, model, tokenizer, info, num_blocks, bs)
         if self.spec is not None:
             check_exact(self.spec.drafter, states, model_type)
         self.state_pool = StatePool(self.max_num_seqs, self.specs.bytes_per_slot) if states else None
@@ -187,6 +188,8 @@ class LLMEngine(RequestTable):
                f"{fmt_bytes(self.state_pool.bytes_per_slot, binary=True)} = {fmt_bytes(self.state_bytes, binary=True)} "
                f"({len(self.specs.states)} state layers)" if self.state_pool is not None else "")
             + (f"; state snapshots: {fmt_bytes(self.snapshot_bytes, binary=True)}" if self.snapshots is not None else "")
+            + (f"; {self.draft_choice.line()}" if self.draft_choice is not None else
+               f"; draft: {self.spec.drafter.name}" if self.spec is not None else "")
         )
 
     def kv_stats(self) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 from macinfer.errors import MacinferError
 from macinfer.modelio.model_files import WEIGHTS_GLOB, dir_size_followed, mlx_lm_knows, read_config, weight_files
 from macinfer.modelio.registry import (LocalModel, catalog_by_repo, fill_from_dir, allow_patterns, hf_hub_cache,
-                                       hf_models, read_catalog)
+                                       hf_models, hf_repo, read_catalog)
 
 
 def _hub_error(repo: str, e: Exception) -> MacinferError:
@@ -89,3 +89,75 @@ def pull(spec: str, progress: bool = True) -> LocalModel:
     return m
 
 
+
+
+# What a draft repo needs: an EAGLE-3 draft is a config.json and safetensors weights, whatever the
+# files are called (mlx-lm's own patterns want model*.safetensors).
+DRAFT_PATTERNS = ["*.json", "*.safetensors"]
+
+
+def cached_snapshot(repo: str) -> Path | None:
+    """The Hugging Face cache's snapshot of `repo` (its main or newest revision), if it is there."""
+    try:
+        found = hf_repo(repo)
+    except Exception:  # noqa: BLE001 - no cache or an unreadable one: nothing on disk
+        return None
+    if found is None or not found.revisions:
+        return None
+    rev = min(found.revisions, key=lambda r: ("main" not in r.refs, -r.last_modified))
+    return Path(rev.snapshot_path)
+
+
+def draft_snapshot(spec: str) -> Path | None:
+    """A catalog draft entry (a repo id, or a catalog model name) as a directory on disk, if it is there."""
+    from macinfer.modelio.loader import REPO_ID
+
+    entry = read_catalog().get("models", {}).get(spec)
+    repo = entry.get("source") if entry else spec
+    if not repo or not REPO_ID.match(str(repo)):
+        return None
+    return cached_snapshot(str(repo))
+
+
+def fetch_draft(repo: str, config_only: bool = False, progress: bool = True) -> Path:
+    """Download a draft repo (config.json and safetensors weights) into the Hugging Face cache.
+
+    Raises:
+        MacinferError: one line (not found, gated, offline).
+    """
+    import huggingface_hub
+
+    if not progress:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    try:
+        return Path(huggingface_hub.snapshot_download(repo, allow_patterns=["config.json"] if config_only else DRAFT_PATTERNS,
+                                                      cache_dir=str(hf_hub_cache())))
+    except Exception as e:  # noqa: BLE001 - network, HTTP, auth: one line each
+        raise _hub_error(repo, e) from None
+
+
+def pull_drafts(spec: str, progress: bool = True) -> list[str]:
+    """`pull MODEL --with-draft`: the drafts the catalog lists for MODEL, downloaded.
+
+    A catalog model name is pulled as a model, a repo id as a draft. Returns what was pulled.
+
+    Raises:
+        MacinferError: MODEL has no catalog entry, or a download failed (one line).
+    """
+    entry = read_catalog().get("models", {}).get(spec)
+    if entry is None:
+        entry = next((e for e in read_catalog().get("models", {}).values()
+                      if str(e.get("source", "")).lower() == spec.lower()), None)
+    if entry is None:
+        raise MacinferError(f"'{spec}' is not in the catalog, which is where known drafts are listed: "
+                            "name a draft yourself with --draft, or let --draft auto find one on disk")
+    pulled = []
+    for draft in entry.get("drafts", []):
+        if draft in read_catalog().get("models", {}):
+            pull(draft, progress=progress)
+        else:
+            fetch_draft(draft, progress=progress)
+        pulled.append(draft)
+    return pulled

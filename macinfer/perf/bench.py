@@ -63,6 +63,10 @@ class RequestResult:
     ttft: float
     latency: float
     cached_tokens: int = 0
+    # Speculation (in process only): drafted and accepted tokens, and the steps that verified drafts.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_steps: int = 0
 
     @property
     def decode_tps(self) -> float | None:
@@ -90,6 +94,10 @@ class ScenarioResult:
             "mean_prompt_tokens": float(np.mean([x.prompt_tokens for x in r])) if r else 0.0,
             "cached_tokens": sum(x.cached_tokens for x in r),
             "output_tokens": out,
+            "decode_tokens": sum(max(0, x.output_tokens - 1) for x in r),
+            "draft_tokens": sum(x.draft_tokens for x in r),
+            "accepted_tokens": sum(x.accepted_tokens for x in r),
+            "spec_steps": sum(x.spec_steps for x in r),
             "wall_s": self.wall,
             "throughput_tps": out / self.wall if self.wall > 0 else None,
             "requests_per_s": len(r) / self.wall if self.wall > 0 else None,
@@ -164,7 +172,9 @@ class InProcessBackend:
             if d.output is not None:
                 out = d.output
         end = time.perf_counter()
-        return RequestResult(len(prompt), len(out.token_ids), first - t0, end - t0, out.metrics.cached_tokens)
+        m = out.metrics
+        return RequestResult(len(prompt), len(out.token_ids), first - t0, end - t0, m.cached_tokens,
+                             m.draft_tokens, m.accepted_tokens, m.spec_steps)
 
     def close(self):
         self.aengine.shutdown()
@@ -297,6 +307,53 @@ RATIOS = {  # ratio column -> (summary field, True if higher is better)
     "decode_p50_x": ("decode_tps_p50", True),
     "ttft_p50_speedup": ("ttft_p50_s", False),
 }
+
+
+def draft_rows(plain: list[dict], drafted: list[dict], spec) -> list[dict]:
+    """Per scenario, speculation's decode speed-up as the cost model predicts it and as measured.
+
+    Predicted (macinfer.spec_decode.step_cost.predicted_speedup): from the drafts each request made and
+    had accepted, the engine's own fit of what a decode step costs, and its measured draft round.
+    Measured: the drafted engine's p50 decode tok/s over the plain engine's, same scenario.
+
+    Args:
+        spec: the drafted engine's SpecDecoder (its step-cost fit and draft round).
+    """
+    from macinfer.spec_decode.step_cost import predicted_speedup
+
+    rows = []
+    for a, b in zip(plain, drafted):
+        runs = b.get("repeats") or [b]
+        steps = sum(r["spec_steps"] for r in runs)
+        n = sum(r["requests"] for r in runs)
+        plain_tokens = sum(r["decode_tokens"] - r["spec_steps"] - r["accepted_tokens"] for r in runs)
+        predicted = None
+        if spec is not None and spec.step_cost.ready and n:
+            predicted = predicted_speedup(spec.step_cost, spec.draft_round_seconds(), b["concurrency"], steps / n,
+                                          sum(r["draft_tokens"] for r in runs) / n,
+                                          sum(r["accepted_tokens"] for r in runs) / n, plain_tokens / n)
+        measured = b["decode_tps_p50"] / a["decode_tps_p50"] if a["decode_tps_p50"] and b["decode_tps_p50"] else None
+        drafted_n = sum(r["draft_tokens"] for r in runs)
+        rows.append({"concurrency": b["concurrency"], "prompt_tokens": b["prompt_tokens"], "prefix": b["prefix"],
+                     "acceptance": sum(r["accepted_tokens"] for r in runs) / drafted_n if drafted_n else None,
+                     "k": drafted_n / steps if steps else None, "predicted_x": predicted, "measured_x": measured})
+    return rows
+
+
+def render_draft(rows: list[dict], label: str, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(Console().width, 100))
+    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    t = Table(title=f"{label}: decode speed-up over plain, predicted by the cost model (docs/speculation.md) "
+                    "and measured")
+    for col in ("C", "prompt", "prefix", "acceptance", "k / step", "predicted x", "measured x"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["concurrency"]), str(r["prompt_tokens"]), r["prefix"], f(r["acceptance"], ".2f"),
+                  f(r["k"], ".2f"), f(r["predicted_x"], ".2f"), f(r["measured_x"], ".2f"))
+    console.print(t)
 
 
 def ratios(ours: list[dict], base: list[dict]) -> list[dict]:

@@ -75,6 +75,8 @@ class ServedModel:
         """Its entry in GET /v1/models."""
         ctx = self.llm.info.context_length if self.llm is not None else self.context_length
         card = {"id": self.name, "object": "model", "created": created, "owned_by": "macinfer", "loaded": self.loaded}
+        if self.llm is not None:  # the drafter speculative decoding uses (`--draft auto` picks one), or None
+            card["draft"] = self.llm.engine.features.drafter
         return card | ({"max_model_len": ctx} if ctx is not None else {})
 
 

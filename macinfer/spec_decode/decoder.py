@@ -30,8 +30,11 @@ and when no row would draft with the model), r_i how often the drafter lately de
 row of that kind (a feature draft unsure of its first token drafts nothing: the round is
 paid, the forward is not widened; the decline counts as a rejection in a_i). offer_i is
 what the drafter can propose (an n-gram drafter often has nothing, or a short match).
-Counts decay while a request does not draft, so its estimate drifts back to the prior
-and it probes again now and then.
+A request's counts fade fast while it drafts (its latest drafts say most) and slowly while
+it does not, so its estimate drifts back to the prior and it probes again now and then. A
+step that goes synchronous to draft also pays what queueing it would have hidden
+(StepCost.sync_penalty). Where the drafter offers several kinds for a row (a LookupDrafter:
+lookup or its model), the row takes the one expected to give the most tokens per second.
 """
 
 from __future__ import annotations
@@ -108,9 +111,16 @@ class SpecDecoder:
         adaptive: False drafts num_speculative_tokens every step (tests, benchmarks).
     """
 
-    DECAY = 0.9  # per step, a request's own acceptance counts
+    # A request's own acceptance counts: what it drafted lately weighs most (ASK_DECAY per step it
+    # was asked to draft), and while it is not asked they fade slowly (IDLE_DECAY per step) back to
+    # the prior, so it is asked again now and then. NOTE: its own counts reach 1 / (1 - ASK_DECAY)
+    # asks at most, which must outweigh the prior (PRIOR pooled asks): else a text where drafts
+    # never pay (words sampled at random) keeps an estimate near the pooled rate, and is asked
+    # every step.
+    ASK_DECAY = 0.9
+    IDLE_DECAY = 0.97
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
-    PRIOR = 4.0  # weight of the pooled rate in a request's estimate (one rejection is weak evidence)
+    PRIOR = 2.0  # weight of the pooled rate in a request's estimate
     DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int = 12, adaptive: bool = True):
@@ -159,8 +169,9 @@ class SpecDecoder:
     def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True) -> None:
         if own:
             a = self.acceptance.setdefault((request_id, kind), _Acceptance())
-            a.accepted += accepted
-            a.tried += tried
+            fade = self.ASK_DECAY / self.IDLE_DECAY  # asked this step: ASK_DECAY in all
+            a.accepted = fade * a.accepted + accepted
+            a.tried = fade * a.tried + tried
         pool = self._pool(kind)
         pool.accepted += accepted
         pool.tried += tried
@@ -182,15 +193,12 @@ class SpecDecoder:
         measured = getattr(self.drafter, "round_s", None)
         return measured if measured is not None else 0.0
 
-    def _rounds(self, seqs: list[Sequence], offers: list[int]) -> bool:
-        """Whether drafting for these rows runs the draft model (a hybrid drafter may look up instead)."""
-        uses = getattr(self.drafter, "uses_model", None)
-        if uses is None:
-            return self.drafter.has_model
-        return any(o > 0 and uses(s) for s, o in zip(seqs, offers))
+    def _uses_model(self, kind: str) -> bool:
+        """Whether drafting a row of this kind costs draft-model rounds (lookup's kinds do not)."""
+        return self.drafter.has_model and not kind.startswith("ngram:")
 
     def choose_k(self, alphas: list[float], offers: list[int], rounds: bool = True,
-                 declines: list[float] | None = None) -> int:
+                 declines: list[float] | None = None, sync_now: bool = False) -> int:
         """The K that maximises expected tokens per second this step (see module docstring).
 
         rounds: False if no row would draft with the model (no draft-round cost).
@@ -198,6 +206,9 @@ class SpecDecoder:
             unsure of its first token). Such a row still costs its draft round, and its
             acceptance (alphas) counts the decline as a rejection, but it adds no verify
             position: the forward is only widened if some row drafts.
+        sync_now: this step runs synchronously whatever K is (it was planned to draft); else
+            K = 0 keeps it queued, and drafting pays the synchronous step's extra cost
+            (StepCost.sync_penalty: the host's work no longer overlaps the model's).
         """
         if not self.adaptive:
             return self.max_k
@@ -212,7 +223,9 @@ class SpecDecoder:
             for d, o in zip(declines, offers):
                 all_decline *= d if min(K, o) > 0 else 1.0
             width = B * (1 + K * (1.0 - all_decline)) if K else B
-            seconds = self.step_cost(width) + (self.draft_round_seconds() * K if rounds else 0.0)
+            sync = bool(K) or sync_now
+            seconds = (self.step_cost(width) + (self.step_cost.sync_penalty if sync else 0.0)
+                       + (self.draft_round_seconds() * K if rounds else 0.0))
             if tokens / seconds > best * (1 + 1e-6):
                 best_k, best = K, tokens / seconds
         return best_k
@@ -224,8 +237,8 @@ class SpecDecoder:
         for rid in {r for r, _ in self.acceptance if r not in live}:
             self.remove(rid)
         for a in self.acceptance.values():
-            a.accepted *= self.DECAY
-            a.tried *= self.DECAY
+            a.accepted *= self.IDLE_DECAY
+            a.tried *= self.IDLE_DECAY
         for kind, pool in self.pooled.items():  # drifts back to the prior while unused
             pool.accepted = self.POOL_DECAY * pool.accepted + (1 - self.POOL_DECAY) * self._prior(kind)
             pool.tried = self.POOL_DECAY * pool.tried + (1 - self.POOL_DECAY)
@@ -240,9 +253,9 @@ class SpecDecoder:
         """
         if not self.adaptive:
             return self.max_k
-        return self._choose(seqs, 2 if pending else 1)[0]
+        return self._choose(seqs, 2 if pending else 1, sync_now=False)[0]
 
-    def _choose(self, seqs: list[Sequence], last: int) -> tuple[int, list[int], list[str]]:
+    def _choose(self, seqs: list[Sequence], last: int, sync_now: bool) -> tuple[int, list[int], list[str]]:
         """(K, each row's offer, each row's kind of draft) for these decode rows.
 
         `last`: tokens each row still produces before a draft could start (its next token, and
@@ -252,12 +265,42 @@ class SpecDecoder:
         # structured output (propose).
         caps = [0 if s.sampler.per_row or s.grammar is not None else
                 min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
-        offers = [self.drafter.available(s, c) if c > 0 else 0 for s, c in zip(seqs, caps)]
-        kinds = [self.kind(s) for s in seqs]
+        picks = [self._option(s, c, len(seqs), sync_now) if c > 0 else (self.kind(s), 0) for s, c in zip(seqs, caps)]
+        kinds, offers = [k for k, _ in picks], [o for _, o in picks]
         alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
         declines = [self.decline_rate(kd) for kd in kinds]
-        K = self.choose_k(alphas, offers, self._rounds(seqs, offers), declines) if seqs else 0
+        rounds = any(o > 0 and self._uses_model(kd) for o, kd in zip(offers, kinds))
+        K = self.choose_k(alphas, offers, rounds, declines, sync_now) if seqs else 0
         return K, offers, kinds
+
+    def _option(self, seq: Sequence, cap: int, rows: int, sync_now: bool) -> tuple[str, int]:
+        """The kind of draft this row gets and how many tokens it offers: of the drafter's options
+        (`options(seq, k)`: a LookupDrafter offers lookup and its model), the one expected to give
+        the most tokens per second for this row; (kind, 0) when none beats not drafting.
+
+        NOTE: a row whose text repeats a little is often better off with the model than with a
+        short lookup: judging both by their own measured acceptance keeps lookup's drafts from
+        displacing better ones (and a lookup that keeps failing from turning drafting off).
+        """
+        options = getattr(self.drafter, "options", None)
+        if options is None:
+            return self.kind(seq), self.drafter.available(seq, cap)
+        found = options(seq, cap)
+        if len(found) == 1 or not self.adaptive or not self.step_cost.ready:  # nothing to weigh them by
+            default = self.kind(seq)
+            return next((o for o in found if o[0] == default), found[0])
+        base = self.step_cost(rows)
+        slope = self.step_cost(rows + 1) - base
+        sync = self.step_cost.sync_penalty
+        best, pick = 1.0 / (base + (sync if sync_now else 0.0)), (found[0][0], 0)
+        for kind, offer in found:
+            a, d = self.alpha(seq.request_id, kind), self.decline_rate(kind)
+            round_s = self.draft_round_seconds() if self._uses_model(kind) else 0.0
+            for k in range(1, offer + 1):
+                rate = expected_tokens(a, k) / (base + sync + slope * k * (1.0 - d) + round_s * k)
+                if rate > best * (1 + 1e-6):
+                    best, pick = rate, (kind, offer)
+        return pick
 
     def wants_sync(self, seqs: list[Sequence], pending: bool) -> bool:
         """Whether the next step should be synchronous so that it can draft for these rows.
@@ -296,7 +339,7 @@ class SpecDecoder:
             # Structured output is not drafted: its matcher advances on accepted tokens only.
             if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.grammar is None:
                 decodes.append(seq)
-        K, offers, kinds = self._choose(decodes, 1)
+        K, offers, kinds = self._choose(decodes, 1, sync_now=True)
         if self._planned and not K and self.adaptive:
             # Planned a step ago, and the step is synchronous now whatever we do. Judged again,
             # K is 0 only on a knife edge (a step's cost or the counts' aging moved it) or because
@@ -316,7 +359,10 @@ class SpecDecoder:
         self._declined = set()
         self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
         if K > 0:
-            self.drafter.propose(decodes, [min(K, o) for o in offers])
+            if getattr(self.drafter, "options", None) is not None:
+                self.drafter.propose(decodes, [min(K, o) for o in offers], kinds)
+            else:
+                self.drafter.propose(decodes, [min(K, o) for o in offers])
             # Asked and came back empty: the drafter chose not to draft (a feature draft unsure
             # of its first token), as opposed to drafts dropped later for room.
             self._declined = {s.request_id for s, o in zip(decodes, offers) if o > 0 and not s.spec_token_ids}
@@ -361,7 +407,7 @@ class SpecDecoder:
                 m.lookup_draft_tokens += k
                 m.lookup_accepted_tokens += accepted
         if decode_only and scheduled:
-            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
+            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6), sync=True)
 
     def remove(self, request_id: str) -> None:
         for key in [key for key in self.acceptance if key[0] == request_id]:

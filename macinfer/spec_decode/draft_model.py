@@ -31,8 +31,10 @@ from pathlib import Path
 
 from macinfer.errors import MacinferError
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
-from macinfer.modelio.loader import load_model
+from macinfer.modelio.hub import draft_snapshot, fetch_draft
+from macinfer.modelio.loader import REPO_ID, load_model
 from macinfer.paths import models_dir
+from macinfer.spec_decode.eagle3 import is_eagle3, load_eagle3
 from macinfer.spec_decode.feature_draft import is_feature_draft, load_feature_draft
 
 _MODELS = models_dir()
@@ -43,7 +45,7 @@ _MODELS = models_dir()
 SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-eagle", "smollm2-135m-tokens": _MODELS / "smollm2-135m-draft"}
 
 
-def _tokenizer_vocab(tokenizer) -> dict:
+def tokenizer_vocab(tokenizer) -> dict:
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     try:
         return tok.get_vocab()
@@ -74,6 +76,21 @@ def _resolve(spec_or_path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _cached_draft_repo(repo: str) -> Path | None:
+    """A repo id's snapshot when it is an EAGLE-3 draft: from the Hugging Face cache, else downloaded
+    (config and safetensors only); None for anything else (the loader takes it as a model)."""
+    path = draft_snapshot(repo)
+    if path is None:
+        try:
+            path = fetch_draft(repo, config_only=True)
+        except MacinferError:
+            return None
+        if not is_eagle3(path):
+            return None
+        path = fetch_draft(repo)
+    return path if is_eagle3(path) else None
+
+
 def _is_embeddingless(path: Path) -> bool:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -100,7 +117,7 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
             f"draft {name} has hidden size {cfg.get('hidden_size')} but the target's embedding is {dim} wide: "
             "use a draft made for this target"
         )
-    n_tok = len(_tokenizer_vocab(target_tokenizer))
+    n_tok = len(tokenizer_vocab(target_tokenizer))
     if n_tok > rows:
         raise MacinferError(f"the target tokenizer has {n_tok} tokens but draft {name} covers {rows}")
     try:
@@ -198,7 +215,8 @@ def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool
 
     Args:
         spec_or_path: a shipped draft name (``SHIPPED_DRAFTS``, e.g. "smollm2-135m"), a directory
-            (embedding-less draft or full mlx-lm model), or anything ``macinfer.modelio.loader`` resolves.
+            (embedding-less draft, EAGLE-3 draft, or full mlx-lm model), a repo id (an EAGLE-3
+            draft, or a model), or anything ``macinfer.modelio.loader`` resolves.
         target_model: the loaded target (an mlx-lm model).
         target_tokenizer: the target's tokenizer (mlx-lm TokenizerWrapper or HF tokenizer).
         dequantize: dequantise quantised draft weights (default: when there is no Metal, where
@@ -210,15 +228,19 @@ def load_draft(spec_or_path, target_model, target_tokenizer, *, dequantize: bool
     import mlx.core as mx
 
     path = _resolve(spec_or_path)
+    if path is None and isinstance(spec_or_path, str) and REPO_ID.match(spec_or_path):
+        path = _cached_draft_repo(spec_or_path)  # an EAGLE-3 repo has no config mlx-lm could load
     if path is not None and is_feature_draft(path):
         return load_feature_draft(path, target_model)
+    if path is not None and is_eagle3(path):
+        return load_eagle3(path, target_model, str(spec_or_path))
     if path is not None and _is_embeddingless(path):
         return _load_embeddingless(path, target_model, target_tokenizer, dequantize)
 
     if dequantize is None:
         dequantize = not mx.metal.is_available()
     draft, draft_tok, info = load_model(str(path) if path is not None else spec_or_path, dequantize=dequantize)
-    mine, theirs = _tokenizer_vocab(draft_tok), _tokenizer_vocab(target_tokenizer)
+    mine, theirs = tokenizer_vocab(draft_tok), tokenizer_vocab(target_tokenizer)
     if mine != theirs:
         diff = len(set(mine.items()) ^ set(theirs.items()))
         raise MacinferError(

@@ -83,13 +83,15 @@ def draft_pick(seq: Sequence, logits: mx.array):
 
 def pick_kept(seq: Sequence, sub: mx.array, head):
     """draft_pick for a draft whose head keeps a subset of the vocabulary (a SubsetHead):
-    `sub` holds one row's logits over the kept columns only.
+    `sub` holds one row's logits over the kept columns only (head None: over the whole vocabulary).
 
     A greedy row picks among those columns: building the full-vocabulary logits (-inf
     elsewhere) and taking their argmax cost 24 ms for 8 rows of SmolLM2's vocabulary here,
     and gives the same token (the kept ids are sorted, so the first maximum is the same).
     A sampled row needs the full q for the verifier: draft_pick on the expanded row.
     """
+    if head is None:
+        return draft_pick(seq, sub)
     if seq.sampler.params.greedy:
         return head.ids[mx.argmax(sub, axis=-1)], None
     return draft_pick(seq, head.expand(sub))
@@ -184,19 +186,22 @@ class NgramDrafter:
 
 
 class LookupDrafter:
-    """n-gram lookup where the sequence is copying itself, a model draft everywhere else.
+    """n-gram lookup where that pays, a model draft everywhere else.
 
     A small model's drafts are right ~35-45% of the time on chat (scripts/train/train_eagle.py);
-    a copy that has held for a few tokens is right far more often (NgramDrafter) and costs
-    no draft round. So each step, each row drafts by lookup if its match length is at least
-    `min_match`, else with the model. `draft="<model>+ngram"`; the default ("auto") for a
-    model with a shipped draft.
+    a copy that has held for a few tokens is right far more often (NgramDrafter) and costs no
+    draft round, but a short match in free text is right less often than the model. So each
+    step, a row whose text matches an earlier stretch offers both (`options`), and the
+    speculative decoder picks by each one's measured acceptance for this request and its cost
+    (SpecDecoder._option); a row without a match drafts with the model. `draft="<model>+ngram"`,
+    and what `auto` gives a model it found a draft for.
 
     Args:
         model: a DraftModelDrafter or FeatureDrafter.
         ngram: the NgramDrafter (default: a new one).
-        min_match: shortest match drafted by lookup (3: 56% first-token acceptance, above
-            the shipped feature draft's 44%).
+        min_match: the match length from which a row drafts by lookup when nobody weighs the two
+            (`kind`; fixed k, or nothing measured yet): 3, 56% first-token acceptance, above the
+            shipped feature draft's 44%. Any match is offered as an option.
     """
 
     has_model = True
@@ -213,21 +218,26 @@ class LookupDrafter:
     def round_s(self) -> float | None:
         return getattr(self.model, "round_s", None)
 
-    def uses_model(self, seq: Sequence) -> bool:
-        """Whether drafting for seq now costs draft-model rounds."""
-        return not self._lookup(seq)
+    def options(self, seq: Sequence, k: int) -> list[tuple[str, int]]:
+        """(kind, tokens offered) of each way this row could draft now, the model's first."""
+        found = [("model", self.model.available(seq, k))]
+        if self.ngram.match_length(seq):
+            found.append((self.ngram.kind(seq), self.ngram.available(seq, k)))
+        return found
 
     def available(self, seq: Sequence, k: int) -> int:
-        return self.ngram.available(seq, k) if self._lookup(seq) else self.model.available(seq, k)
+        return max(o for _, o in self.options(seq, k))
 
     def kind(self, seq: Sequence) -> str:
+        """The row's kind of draft when nobody weighs the options: lookup from min_match on."""
         return self.ngram.kind(seq) if self._lookup(seq) else "model"
 
     def prior(self, kind: str) -> float:
         return self.ngram.prior(kind) if kind.startswith("ngram:") else 0.5
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> None:
-        lookup = [self._lookup(s) for s in seqs]
+    def propose(self, seqs: list[Sequence], num_draft: list[int], kinds: list[str] | None = None) -> None:
+        """kinds: each row's kind of draft (from `options`); default: lookup wherever there is a match."""
+        lookup = ([k.startswith("ngram:") for k in kinds] if kinds is not None else [self._lookup(s) for s in seqs])
         for part, drafter in ((True, self.ngram), (False, self.model)):
             rows = [(s, k) for s, k, lk in zip(seqs, num_draft, lookup) if lk is part]
             if rows:

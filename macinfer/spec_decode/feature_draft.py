@@ -70,6 +70,23 @@ class FeatureDraft(nn.Module):
     def layers(self):
         return self.model.layers
 
+    # What FeatureDrafter runs (the feature-draft interface, shared with MTP and EAGLE-3 drafts):
+    # `body` is what its paged runner pages, `features` turns the target's final hidden states into
+    # this draft's inputs, `logits` reads tokens off a guessed feature over `vocab`'s columns.
+    @property
+    def body(self):
+        return self.model
+
+    @property
+    def vocab(self):
+        return self.head
+
+    def features(self, hidden: mx.array) -> mx.array:
+        return hidden
+
+    def logits(self, fhat: mx.array) -> mx.array:
+        return fhat @ self.head.weight.T  # (B, N) over the head's kept columns
+
     def __call__(self, tokens: mx.array, feats: mx.array, cache=None) -> mx.array:
         e = self.model.embed_tokens(tokens)
         x = self.fc(mx.concatenate([e, feats.astype(e.dtype)], axis=-1))
@@ -161,7 +178,11 @@ class FeatureDrafter:
     """Drafts with a FeatureDraft over its own paged KV cache, fed by the target's hidden states.
 
     Args:
-        draft: a FeatureDraft with .head.
+        draft: a FeatureDraft with .head, or any draft with the same interface: `body` (the layers
+            paged here), `draft(tokens, feats, cache) -> f^`, `features(target hidden) -> feats`,
+            `logits(f^) -> (B, N)` over `vocab` (a SubsetHead's kept ids, or None: the whole
+            vocabulary). MTP layers (macinfer.spec_decode.mtp) and EAGLE-3 drafts
+            (macinfer.spec_decode.eagle3) are such drafts.
         num_blocks, block_size: the draft's own block pool.
 
     The target's ModelRunner reports each forward's hidden states to `hidden_sink` (its constructor's
@@ -182,7 +203,7 @@ class FeatureDrafter:
         self.name = name
         self.draft = draft
         self.pool = BlockPool(num_blocks, block_size)
-        self.runner = ModelRunner(draft.model, inspect_model(draft.model, name), num_blocks, block_size)
+        self.runner = ModelRunner(draft.body, inspect_model(draft.body, name), num_blocks, block_size)
         self.states: dict[str, _FeatState] = {}
         self.feats: dict[str, list[list]] = {}  # request_id -> [[start position, (n, D) lazy array]]
         self.round_s: float | None = None  # seconds per decode draft round (EMA), as DraftModelDrafter
@@ -196,6 +217,7 @@ class FeatureDrafter:
 
     def observe(self, seqs: list, starts: list[int], counts: list[int], hidden: mx.array) -> None:
         """A target forward computed positions starts[j] .. starts[j] + counts[j] - 1 of seqs[j]."""
+        hidden = self.draft.features(hidden)  # lazy: evaluated with the forward (its inputs are)
         for j, (seq, start, n) in enumerate(zip(seqs, starts, counts)):
             chunks = self.feats.setdefault(seq.request_id, [])
             while chunks and chunks[-1][0] >= start:  # recomputed positions replace what was there
@@ -290,9 +312,9 @@ class FeatureDrafter:
             fhat = self._run([rows[i][1] for i in idx], [toks[i] for i in idx], [fts[i] for i in idx])
             # Logits over the head's kept columns only (see _pick); the confidence is the same over
             # them as over the full vocabulary, whose other columns are -inf.
-            head = self.draft.head
-            sub = fhat @ head.weight.T  # (B, N)
-            conf = mx.softmax(sub, axis=-1).max(axis=-1)
+            head = self.draft.vocab
+            sub = self.draft.logits(fhat)  # (B, N)
+            conf = mx.softmax(sub.astype(mx.float32), axis=-1).max(axis=-1)
             picked = [self._pick(rows[i][0], sub[j], head) for j, i in enumerate(idx)]
             picks = mx.stack([t for t, _ in picked])
             mx.eval(picks, conf, fhat, [c.state for c in self.runner.caches])  # see ModelRunner.execute_model

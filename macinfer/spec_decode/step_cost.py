@@ -21,22 +21,33 @@ class StepCost:
     ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
     """
 
+    # How fast each kind of step's offset from the fit follows new steps (see `observe`).
+    RESIDUAL_DECAY = 0.9
+
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.s = None  # weighted sums: w, x, y, xx, xy
+        # Mean offset from the fit of steps run synchronously (they draft) and queued ones.
+        self.residual = {True: 0.0, False: 0.0}
 
     def _add(self, x: float, y: float, w: float) -> None:
         s = self.s
         for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
             s[i] += v
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, sync: bool = False) -> None:
         """Add one measured decode step; older ones (and the prior) weigh `decay` times less.
 
         Args:
             tokens: the tokens the step computed (rows x width).
             seconds: its wall time, drafting excluded.
+            sync: a synchronous step (one that drafts, or was planned to): nothing of the host's
+                work per step overlaps a step queued behind it, as it does for queued steps. The
+                two kinds' mean offsets from the one fit say what going synchronous costs.
         """
+        if self.s is not None:
+            r = self.RESIDUAL_DECAY
+            self.residual[sync] = r * self.residual[sync] + (1 - r) * (seconds - self(tokens))
         if self.s is None:
             self.s = [0.0] * 5
             # Prior: two points on the line through this one with the prior slope.
@@ -63,6 +74,39 @@ class StepCost:
         a = max((y - b * x) / w, 1e-6)
         return a, b
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: int, sync: bool | None = None) -> float:
+        """A decode step's time for `tokens`; with `sync`, as that kind of step (synchronous or queued)."""
         a, b = self.coeffs()
-        return a + b * tokens
+        return a + b * tokens + (self.residual[sync] if sync is not None else 0.0)
+
+    @property
+    def sync_penalty(self) -> float:
+        """What a synchronous step costs over a queued one of the same size (seconds, >= 0)."""
+        return max(0.0, self.residual[True] - self.residual[False])
+
+
+def predicted_speedup(cost, round_s: float, rows: int, spec_steps: float, drafted: float, accepted: float,
+                      plain_tokens: float) -> float | None:
+    """The decode speed-up speculation should give, from what was drafted and the measured costs.
+
+    A verify step of `rows` rows with k drafts each emits 1 + m tokens per row on average (m the
+    drafts accepted per step) and takes T(rows x (1 + k)) + k x D, against T(rows) for a plain step
+    (T: a decode step's measured time, `cost(tokens)`; D: one draft round, `round_s`). Steps that
+    drafted nothing cost T(rows) each:
+
+        speed-up = T(B) x (plain + S (1 + m)) / (plain x T(B) + S (T(B (1 + k)) + k D))
+
+    with S the verify steps, plain the tokens of steps without drafts, per row. m and k come from
+    the requests' own counts (accepted / S, drafted / S), so the model needs no acceptance rate
+    per position: 1 + m is the expected tokens per step, (1 - a^(k+1)) / (1 - a) for a chain whose
+    drafts are each accepted with probability a.
+
+    Returns None when nothing was drafted.
+    """
+    if spec_steps <= 0:
+        return None
+    m, k = accepted / spec_steps, drafted / spec_steps
+    t1 = cost(rows)
+    tokens = plain_tokens + spec_steps * (1 + m)
+    seconds = plain_tokens * t1 + spec_steps * (cost(rows * (1 + k)) + k * round_s)
+    return t1 * tokens / seconds

@@ -19,14 +19,18 @@ decoding measured in the same run, the configurations interleaved per prompt:
 
 With --heldout N, instead: chat speed over N of scripts/train/train_draft.py's held-out chat
 prompts (topics the drafts never trained on), single stream, greedy, stopping at EOS: plain,
-feature and auto, interleaved per prompt (order rotated), reported as total decoded tokens over
-total decode time per engine, and per-prompt speed-ups (min / median / max). Three fixed chat
-prompts say little about chat in general; this says more, at ~25 s per prompt. --candidate DIR
-adds a feature draft being considered, alone and with lookup, to the same interleaved run.
+n-gram lookup, the feature draft, the token draft and auto, interleaved per prompt (order
+rotated), each prompt --reps times per engine (a prompt's ratio: the median of its runs),
+reported as total decoded tokens over total decode time per engine and per-prompt speed-ups (min
+/ median / max); then a text that never repeats (random words sampled at T=1) the same way, and
+the checks auto is held to (>= the best single drafter, >= 1.2x, no prompt below 0.95x, >= 0.97x
+on the never-repeating text). Three fixed chat prompts say little about chat in general; this says
+more. --candidate DIR adds a feature draft being considered, alone and with lookup.
 
 Usage:
     python scripts/bench/spec.py                     # ~10 min on 2 shared cores
     python scripts/bench/spec.py --tokens 32 --quick # fewer prompts
+    python scripts/bench/spec.py --heldout 12 --reps 3          # the checks in issue 40
     python scripts/bench/spec.py --heldout 48 --tokens 96
     python scripts/bench/spec.py --heldout 24 --tokens 96 --candidate ~/.cache/macinfer/my-draft
 """
@@ -40,7 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+# NOTE: not this script's own folder first: its gguf.py would shadow the gguf package macinfer imports.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 
@@ -108,8 +113,60 @@ def mlx_lm_tps(model, tok, prompt, max_tokens, draft=None, k=3):
     return last.generation_tps, toks
 
 
+class VirtualClock:
+    """--simulate A,b,D,H: time.perf_counter as a cost model, so ratios do not depend on what else runs.
+
+    Each target forward of n tokens (rows x width, padding included) costs A + b x n seconds, each
+    draft round D (the token draft's: 3 x D), each synchronous step H more (the host's work per
+    step, which a queued step overlaps with the one before); nothing else costs time. Everything
+    the engines time (their step costs, which adaptive k weighs; each request's decode rate) reads
+    this clock, so a run shows what each drafting policy would give on a quiet machine with those
+    costs; the real figure needs a real run. Defaults: float32 SmolLM2 on a 2-core x86 with
+    OpenBLAS, quiet: a 64 ms step, +9.5 ms per verified token, 4 ms per feature-draft round, 5 ms
+    of host work per step.
+    """
+
+    def __init__(self, spec: str):
+        self.a, self.b, self.d, self.h = (float(x) / 1000 for x in spec.split(","))
+        self.now = 0.0
+        time.perf_counter = lambda: self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+    def instrument(self, engine) -> None:
+        runner = engine.runner
+        forward, launch, execute = runner.run_forward, runner.launch_decode, runner.execute_model
+
+        def execute_model(scheduled):  # a synchronous step: the host's work is not hidden
+            self.tick(self.h)
+            return execute(scheduled)
+
+        def run_forward(tables, starts, tokens, *a, **kw):
+            self.tick(self.a + self.b * len(tokens) * max(len(t) for t in tokens))
+            return forward(tables, starts, tokens, *a, **kw)
+
+        def launch_decode(seqs, tokens):
+            self.tick(self.a + self.b * len(seqs))
+            return launch(seqs, tokens)
+
+        runner.run_forward, runner.launch_decode, runner.execute_model = run_forward, launch_decode, execute_model
+        if engine.spec is None:
+            return
+        drafter = getattr(engine.spec.drafter, "model", engine.spec.drafter)
+        for name, cost in (("_run", self.d), ("_forward", 3 * self.d)):  # a feature round; a token-draft round
+            fn = getattr(drafter, name, None)
+            if fn is not None:
+                setattr(drafter, name, lambda *a, fn=fn, cost=cost: (self.tick(cost), fn(*a))[1])
+
+
 def heldout_chat(args):
-    """Chat speed over held-out prompts: plain vs feature vs auto, one stream (see module docstring)."""
+    """Chat speed over held-out prompts, one stream: plain against each drafter and auto (module docstring).
+
+    Each prompt runs --reps times per engine, the engines' order rotated per run (this CPU's speed
+    drifts, and other work shares it); a prompt's ratio is the median of its runs' ratios. Then a
+    text that never repeats (random words, sampled at temperature 1), the same way.
+    """
     sys.path.insert(0, str(ROOT / "scripts" / "train"))
     from train_draft import heldout_prompts
 
@@ -117,45 +174,91 @@ def heldout_chat(args):
 
     model, tok, info = load_model(None, dequantize=True)
     opts = dict(kv_memory="192MB", max_num_seqs=1, enable_prefix_cache=False, num_speculative_tokens=args.k)
-    options = [("plain", None), ("feature", "smollm2-135m"), ("auto", "auto")]
+    drafts = {"plain": None, "ngram": "ngram", "feature": "smollm2-135m", "tokens": "smollm2-135m-tokens",
+              "auto": "auto"}
+    options = [("plain", None)] + [(k, drafts[k]) for k in args.engines.split(",") if k != "plain"]
     if args.candidate:  # a draft being considered, beside the shipped one in the same run
         options += [("cand", args.candidate), ("cand+ng", args.candidate + "+ngram")]
+    clock = VirtualClock(args.simulate) if args.simulate else None
     engines = {k: LLMEngine(model, tok, info, draft=d, **opts) for k, d in options}
-    params = SamplingParams(max_tokens=args.tokens)
+    if clock is not None:
+        for e in engines.values():
+            clock.instrument(e)
     prompts = [chat_ids(tok, t) for t in heldout_prompts()[: args.heldout]]
     for e in engines.values():
         run_engine(e, [prompts[0]], SamplingParams(max_tokens=4))
-    tokens, seconds, ratios, same = {k: 0 for k in engines}, {k: 0.0 for k in engines}, {k: [] for k in engines}, True
-    drafted, accepted = {k: 0 for k in engines}, {k: 0 for k in engines}
     print(f"SmolLM2-135M float32, {len(prompts)} held-out chat prompts, up to {args.tokens} tokens each, one stream, "
-          f"macinfer k <= {args.k} (adaptive)", flush=True)
+          f"greedy, {args.reps} runs per prompt and engine, macinfer k <= {args.k} (adaptive)"
+          + (f"; SIMULATED times (cost model {args.simulate} ms: A, b, D, H)" if clock else ""), flush=True)
+    greedy = SamplingParams(max_tokens=args.tokens)
+    totals, per_prompt, same = _interleaved(engines, prompts, greedy, args.reps, "prompt")
+    never = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
+    print("a text that never repeats (random words, sampled at T=1):", flush=True)
+    _, random_ratio, _ = _interleaved(engines, [chat_ids(tok, RANDOM)], never, args.reps, "random")
+    _report(engines, totals, per_prompt, random_ratio, same)
+
+
+def _interleaved(engines, prompts, params, reps, label):
+    """Every prompt `reps` times per engine, order rotated; (totals, per-prompt median ratios, same output)."""
+    keys = list(engines)
+    totals = {k: [0, 0.0, 0, 0] for k in keys}  # tokens, seconds, drafted, accepted
+    ratios = {k: [] for k in keys}
+    same, turn = True, 0
     for i, ids in enumerate(prompts):
-        keys = list(engines)[i % len(engines):] + list(engines)[: i % len(engines)]
-        outs = {}
-        for key in keys:
-            (out,), _ = run_engine(engines[key], [ids], params)
-            outs[key] = out
-            m = out.metrics
-            if m.decode_time:
-                tokens[key] += m.generation_tokens - 1
-                seconds[key] += m.decode_time
-                drafted[key] += m.draft_tokens
-                accepted[key] += m.accepted_tokens
-        same = same and all(o.token_ids == outs["plain"].token_ids for o in outs.values())
-        tps = {k: o.metrics.decode_tps for k, o in outs.items()}
-        if all(tps.values()):
-            for k in engines:
-                ratios[k].append(tps[k] / tps["plain"])
-            print(f"  prompt {i + 1:2}: {len(outs['plain'].token_ids):3} tokens, plain {tps['plain']:5.1f} tok/s, "
-                  + ", ".join(f"{k} {tps[k] / tps['plain']:.2f}x" for k in engines if k != "plain"), flush=True)
-    base = tokens["plain"] / seconds["plain"]
-    print(f"total: plain {base:.1f} tok/s", flush=True)
+        runs = {k: [] for k in keys}
+        for _ in range(reps):
+            order = keys[turn % len(keys):] + keys[: turn % len(keys)]
+            turn += 1
+            outs = {}
+            for key in order:
+                (out,), _ = run_engine(engines[key], [ids], params)
+                outs[key] = out
+                m = out.metrics
+                if m.decode_time:
+                    t = totals[key]
+                    t[0] += m.generation_tokens - 1
+                    t[1] += m.decode_time
+                    t[2] += m.draft_tokens
+                    t[3] += m.accepted_tokens
+            same = same and (not params.greedy or all(o.token_ids == outs["plain"].token_ids for o in outs.values()))
+            if all(o.metrics.decode_tps for o in outs.values()):
+                for k in keys:
+                    runs[k].append(outs[k].metrics.decode_tps / outs["plain"].metrics.decode_tps)
+        for k in keys:
+            ratios[k].append(statistics.median(runs[k]) if runs[k] else float("nan"))
+        print(f"  {label} {i + 1:2}: {len(outs['plain'].token_ids):3} tokens, plain "
+              f"{outs['plain'].metrics.decode_tps or 0:5.1f} tok/s, "
+              + ", ".join(f"{k} {ratios[k][-1]:.2f}x" for k in keys if k != "plain"), flush=True)
+    return totals, ratios, same
+
+
+def _report(engines, totals, per_prompt, random_ratio, same):
+    base = totals["plain"][0] / totals["plain"][1]
+    print(f"total: plain {base:.1f} tok/s")
+    overall = {}
     for k in [k for k in engines if k != "plain"]:
-        r = sorted(ratios[k])
-        print(f"  {k:8} {tokens[k] / seconds[k]:5.1f} tok/s ({tokens[k] / seconds[k] / base:.2f}x overall; per prompt "
-              f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max), "
-              f"{accepted[k]} of {drafted[k]} drafts accepted ({accepted[k] / max(drafted[k], 1):.2f})", flush=True)
+        tokens, seconds, drafted, accepted = totals[k]
+        overall[k] = tokens / seconds / base
+        r = sorted(per_prompt[k])
+        print(f"  {k:8} {tokens / seconds:5.1f} tok/s ({overall[k]:.2f}x overall; per prompt {r[0]:.2f} / "
+              f"{statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max; never-repeating text "
+              f"{random_ratio[k][0]:.2f}x), {accepted} of {drafted} drafts accepted ({accepted / max(drafted, 1):.2f})",
+              flush=True)
+        spec = engines[k].spec
+        if spec is not None and spec.step_cost.ready:  # what adaptive k weighed, as the engine measured it
+            a, b = spec.step_cost.coeffs()
+            print(f"           step = {1e3 * a:.1f} + {1e3 * b:.1f} ms x tokens, synchronous step +"
+                  f"{1e3 * spec.step_cost.sync_penalty:.1f} ms, draft round {1e3 * spec.draft_round_seconds():.1f} ms")
     print(f"greedy outputs identical to plain: {'yes' if same else 'NO'}")
+    if "auto" in overall:
+        singles = {k: v for k, v in overall.items() if k not in ("auto", "cand", "cand+ng")}
+        best = max(singles, key=singles.get) if singles else None
+        checks = [(f"auto >= the best single drafter ({best} {singles[best]:.2f}x)", not best or overall["auto"] >= singles[best]),
+                  ("auto >= 1.2x plain", overall["auto"] >= 1.2),
+                  ("no held-out prompt below 0.95x", min(per_prompt["auto"]) >= 0.95),
+                  ("never-repeating text >= 0.97x", random_ratio["auto"][0] >= 0.97)]
+        for what, ok in checks:
+            print(f"  {'ok  ' if ok else 'FAIL'} {what}")
 
 
 def main():
@@ -166,6 +269,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (medians)")
     ap.add_argument("--heldout", type=int, default=0, metavar="N",
                     help="instead: chat speed over N held-out chat prompts (1-48; see above)")
+    ap.add_argument("--simulate", metavar="A,b,D,H", nargs="?", const="54.5,9.5,4,5", default="",
+                    help="with --heldout: time by a cost model (ms per forward, per token, per draft round, per "
+                         "synchronous step) "
+                         "instead of the clock, so policies compare on a busy machine (see VirtualClock)")
+    ap.add_argument("--engines", default="ngram,feature,tokens,auto",
+                    help="with --heldout: the drafters run beside plain (ngram, feature, tokens, auto)")
     ap.add_argument("--candidate", metavar="DIR", default="",
                     help="with --heldout: also time this feature draft directory, alone and with n-gram lookup")
     args = ap.parse_args()

@@ -135,7 +135,7 @@ class MetricsPanel(VerticalScroll):
             elif c is not None:
                 self.query_one("#model-card", Static).update(Text.assemble(
                     (f["model"], "bold"), "\n", f["size"], "\n", f"{f['quantization']}, ctx {f['context']}",
-                    "\n", f"attention: {c.attention}"))
+                    "\n", f"attention: {c.attention}", *(["\n", f"draft: {c.drafter}"] if c.drafter else [])))
             self.query_one("#peak", Static).update(Text(f"of peak {f['peak']}", style="dim"))
         self.query_one("#speed", Figures).set_values([f["ttft"], f["prefill"], f["decode"], f["tokens"]])
         self.query_one("#decode-spark", Sparkline).data = list(s.step_tps)
