@@ -347,10 +347,12 @@ def test_a_corrupt_cache_file_is_one_warning_line_for_a_user(tiny_models, tmp_pa
             "--no-chat-template", "--peak-bandwidth", "100"]
     first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    block = sorted(tmp_path.glob("*/*.safetensors"))[0]
-    data = bytearray(block.read_bytes())
-    data[-3] ^= 0x40
-    block.write_bytes(bytes(data))
+    # Every block file damaged: which one holds the prompt's first blocks depends on their hashes (the
+    # first one sorted may hold only the reply's), and the first one read ends the lookup there.
+    for block in tmp_path.glob("*/*.safetensors"):
+        data = bytearray(block.read_bytes())
+        data[-3] ^= 0x40
+        block.write_bytes(bytes(data))
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout == first.stdout
     warned = [line for line in second.stderr.splitlines() if "prefix cache" in line]
