@@ -127,8 +127,8 @@ def _sometimes_drafting(load):
 
     drafter = Sometimes(prompts, want, right=True, vocab=model.args.vocab_size)
     engine = LLMEngine(model, tok, None, num_blocks=64, block_size=4, draft=drafter, num_speculative_tokens=3)
-    observe = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 1e-3 + 1e-4 * tokens, **kw)
+    observe = engine.spec_decoder.step_cost.observe
+    engine.spec_decoder.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 1e-3 + 1e-4 * tokens, **kw)
 
     def serve():
         out = run(engine, [(0, p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
@@ -165,8 +165,8 @@ def test_requests_finishing_in_a_queued_step_leave_nothing_in_the_drafter(load, 
     engine.abort_request("gone")
     run(engine)
     assert launches, "never queued ahead: the test proves nothing"
-    drafter = engine.spec.drafter
-    assert engine.spec.acceptance == {}
+    drafter = engine.spec_decoder.drafter
+    assert engine.spec_decoder.acceptance == {}
     if draft == "ngram":
         assert drafter._cache == {}
     else:
@@ -211,8 +211,8 @@ def test_step_cost_learns_only_from_whole_queued_steps(load):
 
     engine.runner.launch_decode = blocking_launch
     samples = []
-    skip = engine.spec.skip_step
-    engine.spec.skip_step = lambda running, n, seconds: (samples.append(seconds), skip(running, n, seconds))
+    skip = engine.spec_decoder.skip_step
+    engine.spec_decoder.skip_step = lambda running, n, seconds: (samples.append(seconds), skip(running, n, seconds))
     outs = serve()
     assert [o.token_ids for o in outs] == want
     timed = [s for s in samples if s is not None]

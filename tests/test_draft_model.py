@@ -122,11 +122,11 @@ def test_auto_is_the_shipped_draft_with_lookup(target):
     model, tokenizer = target
     info = SimpleNamespace(name="smollm2-135m", context_length=8192)
     engine = LLMEngine(model, tokenizer, info, kv_memory="32MB", enable_prefix_cache=False, draft="auto")
-    d = engine.spec.drafter
+    d = engine.spec_decoder.drafter
     assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name == "smollm2-135m+ngram"
     other = SimpleNamespace(name="some-other-model", context_length=8192)
     e = LLMEngine(model, tokenizer, other, kv_memory="32MB", enable_prefix_cache=False, draft="auto")
-    assert isinstance(e.spec.drafter, NgramDrafter) and e.draft_choice.kind == "ngram"  # nothing made for it
+    assert isinstance(e.spec_decoder.drafter, NgramDrafter) and e.draft_choice.kind == "ngram"  # nothing made for it
 
 
 def _leaves(m):

@@ -96,7 +96,7 @@ def instrument(e, c, script: bool) -> dict:
     """Check every round 0 of a feature drafter against `dense_round0`; with script, draft the right
     token except at every third output position (accepted and rejected drafts, deterministically)."""
     seen = {"round0": 0}
-    d = e.spec.drafter
+    d = e.spec_decoder.drafter
     if not isinstance(d, FeatureDrafter):
         return seen
     d.min_joint = 0.0  # a random draft is never sure of anything: draft all k anyway
@@ -136,7 +136,7 @@ def instrument(e, c, script: bool) -> dict:
 
 def assert_all_free(e):
     e.step()
-    d = e.spec.drafter
+    d = e.spec_decoder.drafter
     for pool in (e.block_pool, d.pool):
         assert not [b for b in pool.blocks[1:] if b.ref_cnt] and pool.req_to_blocks == {}
     assert d.states == {} and e.requests == {}
@@ -146,7 +146,7 @@ def assert_all_free(e):
 def test_greedy_equals_mlx_lm_batched_with_preemption(root, kind):
     c = build(kind, root)
     e = engine(c, num_blocks=18, max_num_seqs=3)
-    assert isinstance(e.spec.drafter, DraftModelDrafter if kind == "model-on-disk" else FeatureDrafter)
+    assert isinstance(e.spec_decoder.drafter, DraftModelDrafter if kind == "model-on-disk" else FeatureDrafter)
     seen = instrument(e, c, script=True)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     alone = run(e, [(0, c["prompts"][0], params, "alone")])  # then again in the batch: a prefix-cache hit
@@ -169,7 +169,7 @@ def test_eagle3_layer_is_the_published_formula(root):
     into attention, residual from the feature, then the MLP; logits over the draft vocabulary, which
     d2t maps onto the target's."""
     c = build("eagle3-authors-subset", root)
-    drafter = engine(c).spec.drafter
+    drafter = engine(c).spec_decoder.drafter
     w = mx.load(str(Path(c["draft"]) / "model.safetensors"))
     cfg = json.loads((Path(c["draft"]) / "config.json").read_text())
     model, tokens = c["model"], c["prompts"][0]
@@ -217,7 +217,7 @@ def test_qwen_mtp_layer_loads_as_mlx_lm_would(root):
     from mlx.utils import tree_flatten
 
     c = build("mtp-qwen3_next", root)
-    drafter = engine(c).spec.drafter
+    drafter = engine(c).spec_decoder.drafter
     raw = mx.load(str(c["path"] / "model.safetensors"))
     renamed = {k.replace("mtp.layers.0.", "model.layers.1."): v for k, v in raw.items() if k.startswith("mtp.layers.0.")}
     ref = {k[len("model.layers.1."):]: v for k, v in c["model"].sanitize(renamed).items()
@@ -257,7 +257,7 @@ def test_sampled_tokens_follow_the_target(root, kind):
     c = build(kind, root)
     e = engine(c, max_model_len=64, num_blocks=700, max_num_seqs=64, num_speculative_tokens=1,
                enable_prefix_cache=False)
-    drafter = e.spec.drafter
+    drafter = e.spec_decoder.drafter
     if isinstance(drafter, FeatureDrafter):
         drafter.min_joint = 0.0
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=3))
@@ -321,7 +321,7 @@ def engine_info(c, **changes):
 def test_auto_picks_the_checkpoints_mtp_layers(root, env, kind):
     e = auto(build(kind, root))
     assert e.draft_choice.kind == "mtp" and "MTP" in e.draft_choice.reason
-    assert isinstance(e.spec.drafter, LookupDrafter) and isinstance(e.spec.drafter.model, FeatureDrafter)
+    assert isinstance(e.spec_decoder.drafter, LookupDrafter) and isinstance(e.spec_decoder.drafter.model, FeatureDrafter)
     assert e.features.drafter == "mtp+ngram" and "draft: mtp (the checkpoint's own MTP layers)" in e.describe()
     assert_greedy(e, build(kind, root))
 
@@ -336,7 +336,7 @@ def test_mtp_weights_missing_where_the_config_promises_them(root, env, capfd):
     e = auto(c)  # auto: one line, and lookup instead
     lines = [x for x in capfd.readouterr().err.splitlines() if "MTP" in x]
     assert len(lines) == 1 and "drafting without them" in lines[0]
-    assert e.draft_choice.kind == "ngram" and isinstance(e.spec.drafter, NgramDrafter)
+    assert e.draft_choice.kind == "ngram" and isinstance(e.spec_decoder.drafter, NgramDrafter)
 
 
 def _catalog(env, name, source, drafts):
@@ -390,19 +390,19 @@ def test_auto_picks_a_smaller_model_with_the_same_tokenizer(root, env):
     shutil.copytree(small, env["home"] / "small-draft")
     e = auto(c)
     assert e.draft_choice.kind == "model" and e.draft_choice.name == "small-draft"
-    assert isinstance(e.spec.drafter.model, DraftModelDrafter) and e.features.drafter == "small-draft+ngram"
+    assert isinstance(e.spec_decoder.drafter.model, DraftModelDrafter) and e.features.drafter == "small-draft+ngram"
     assert_greedy(e, c)
 
 
 def test_auto_where_nothing_pays_or_nothing_is_found(root, env, tiny_models):
     c = build("eagle3-speculators", root)
     e = auto(c)  # no MTP, nothing listed, nothing on disk: lookup alone
-    assert e.draft_choice.kind == "ngram" and isinstance(e.spec.drafter, NgramDrafter)
+    assert e.draft_choice.kind == "ngram" and isinstance(e.spec_decoder.drafter, NgramDrafter)
     import mlx.core as mxc
 
     if not mxc.metal.is_available():  # a quantised target on MLX's CPU backend: verifying k drafts costs k steps
         e = auto(c, engine_info(c, quantization="4-bit g64"))
-        assert e.spec is None and e.draft_choice.kind == "none" and e.features.drafter is None
+        assert e.spec_decoder is None and e.draft_choice.kind == "none" and e.features.drafter is None
         assert "draft: none (quantised weights without Metal" in e.describe()
 
 

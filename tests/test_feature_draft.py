@@ -50,7 +50,7 @@ def fm(tiny_models, tmp_path_factory):
 def checked(engine, fm, script: bool):
     """Instrument the engine's FeatureDrafter: compare every round 0 with a dense recomputation;
     with script, propose the right token except at every third output position."""
-    d: FeatureDrafter = engine.spec.drafter
+    d: FeatureDrafter = engine.spec_decoder.drafter
     assert isinstance(d, FeatureDrafter)
     seen = {"round0": 0, "late_base": 0, "round": 0}
     run_, propose_ = d._run, d.propose
@@ -90,9 +90,9 @@ def checked(engine, fm, script: bool):
 
 def assert_all_free(engine):
     engine.step()
-    for pool in (engine.block_pool, engine.spec.drafter.pool):
+    for pool in (engine.block_pool, engine.spec_decoder.drafter.pool):
         assert not [b for b in pool.blocks[1:] if b.ref_cnt] and pool.req_to_blocks == {}
-    assert engine.spec.drafter.states == {} and engine.spec.drafter.feats == {}
+    assert engine.spec_decoder.drafter.states == {} and engine.spec_decoder.drafter.feats == {}
     assert engine.requests == {}
 
 
@@ -125,7 +125,7 @@ def test_preemption_and_no_leak(fm):
                        draft=str(fm["draft"]), num_speculative_tokens=4, adaptive_speculation=False,
                        enable_prefix_cache=False)
     seen = checked(engine, fm, script=True)
-    engine.spec.drafter.max_unfed = 3  # a prompt longer than that: the draft starts after its start
+    engine.spec_decoder.drafter.max_unfed = 3  # a prompt longer than that: the draft starts after its start
     params = SamplingParams(max_tokens=MAX_TOKENS)
     out = run(engine, [(0, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
     assert engine.scheduler.num_preemptions > 0 and seen["round0"] > 20
@@ -166,16 +166,16 @@ def test_a_draft_that_always_declines_is_soon_not_asked(fm):
     its draft round: here 30% of a step, and acceptance falling with each decline soon outweighs it."""
     engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=60,
                        draft=str(fm["draft"]), num_speculative_tokens=3, enable_prefix_cache=False)
-    d = engine.spec.drafter
+    d = engine.spec_decoder.drafter
     d.min_joint = 1.1  # never sure enough
     # Costs that make drafting look worth it at the prior acceptance (1 ms steps + 0.1 ms per
     # token, 0.3 ms draft rounds), so only the declines can turn it off.
-    cost = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: cost(tokens, 1e-3 + 1e-4 * tokens, **kw)
-    engine.spec.draft_round_seconds = lambda: 3e-4
+    cost = engine.spec_decoder.step_cost.observe
+    engine.spec_decoder.step_cost.observe = lambda tokens, seconds, **kw: cost(tokens, 1e-3 + 1e-4 * tokens, **kw)
+    engine.spec_decoder.draft_round_seconds = lambda: 3e-4
     calls, spans = [], []
     propose, observe = d.propose, d.observe
-    d.propose = lambda seqs, ks: (calls.append(engine.spec.step_cost.ready), propose(seqs, ks))
+    d.propose = lambda seqs, ks: (calls.append(engine.spec_decoder.step_cost.ready), propose(seqs, ks))
 
     def observe_(seqs, starts, counts, h):
         observe(seqs, starts, counts, h)
@@ -190,7 +190,7 @@ def test_a_draft_that_always_declines_is_soon_not_asked(fm):
     assert out["r"].token_ids == want and out["r"].metrics.draft_tokens == 0
     assert 0 < len(calls) < 12, len(calls)  # 3 of 40 steps (35 without the accounting)
     assert max(spans[-20:]) <= 3 + 1 and max(spans) <= len(fm["prompts"][1]) + 3, spans
-    assert engine.spec.alpha("r") < 0.5 or ("r", "") not in engine.spec.acceptance
+    assert engine.spec_decoder.alpha("r") < 0.5 or ("r", "") not in engine.spec_decoder.acceptance
 
 
 def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
@@ -206,7 +206,7 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=32)] for p in fm["prompts"]]
     engine = LLMEngine(model, tok, None, max_model_len=256, block_size=4, num_blocks=80,
                        draft=f"{fm['draft']}+ngram", num_speculative_tokens=3, adaptive_speculation=False)
-    d = engine.spec.drafter
+    d = engine.spec_decoder.drafter
     assert isinstance(d, LookupDrafter) and isinstance(d.model, FeatureDrafter) and d.name.endswith("+ngram")
     d.model.min_joint = 0.0  # a random draft is never sure: let it draft
     rows, drafted = {"lookup": 0, "model": 0}, {"lookup": 0, "model": 0}
@@ -226,13 +226,13 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     assert sum(m.lookup_draft_tokens for m in metrics) == drafted["lookup"] > 0
     assert sum(m.draft_tokens - m.lookup_draft_tokens for m in metrics) == drafted["model"] > 0
     assert all(m.lookup_accepted_tokens <= m.lookup_draft_tokens for m in metrics)
-    kinds = set(engine.spec.pooled)
+    kinds = set(engine.spec_decoder.pooled)
     assert "model" in kinds and any(k.startswith("ngram:") for k in kinds), kinds
     engine.step()
     for pool in (engine.block_pool, d.model.pool):
         assert not [b for b in pool.blocks[1:] if b.ref_cnt] and pool.req_to_blocks == {}
     assert d.model.states == {} and d.model.feats == {} and d.ngram._cache == {}
-    assert engine.spec.acceptance == {}
+    assert engine.spec_decoder.acceptance == {}
 
 
 def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkeypatch):
@@ -279,7 +279,7 @@ def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkey
     engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=60,
                        draft=str(draft), num_speculative_tokens=2, adaptive_speculation=False,
                        enable_prefix_cache=False)
-    assert engine.spec.drafter.draft.head.weight.shape[0] == 6
-    engine.spec.drafter.min_joint = 0.0  # a random draft is never sure: let it draft
+    assert engine.spec_decoder.drafter.draft.head.weight.shape[0] == 6
+    engine.spec_decoder.drafter.min_joint = 0.0  # a random draft is never sure: let it draft
     out = run(engine, [(0, fm["prompts"][0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), "r")])
     assert out["r"].token_ids == fm["want"][0] and out["r"].metrics.draft_tokens > 0

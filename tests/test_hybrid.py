@@ -277,7 +277,7 @@ def test_speculative_decoding_is_exact(hybrid, monkeypatch, name):
     out = run(engine, [(i, p, SamplingParams(max_tokens=14, ignore_eos=True), f"s{i}") for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
         assert out[f"s{i}"].token_ids == want[i], f"s{i}"
-    m = engine.spec
+    m = engine.spec_decoder
     assert drafter.proposed > 0 and sum(fed) > 0, "no draft was rejected: the rollback was never tested"
     accepted = sum(o.metrics.accepted_tokens for o in out.values())
     assert 0 < accepted < drafter.proposed, (accepted, drafter.proposed, m)
@@ -291,7 +291,7 @@ def model_vocab(model):
 def test_drafts_that_cannot_be_exact_are_refused(hybrid):
     path, model, tok = hybrid("lfm2")
     auto = LLMEngine(model, tok, None, num_blocks=16, draft="auto")  # nothing made for it: lookup alone
-    assert auto.draft_choice.kind == "ngram" and auto.spec.drafter.name == "ngram"
+    assert auto.draft_choice.kind == "ngram" and auto.spec_decoder.drafter.name == "ngram"
     draft_path, draft_model, _ = hybrid("mamba2")
     with pytest.raises(MacinferError, match="draft models with recurrent state layers are not supported yet"):
         LLMEngine(model, tok, None, num_blocks=16, draft=draft_model)

@@ -109,7 +109,7 @@ def run(engine, arrivals):
 
 def assert_all_free(engine):
     engine.step()  # lets the drafter drop what finished requests held
-    for pool in [engine.block_pool] + ([engine.spec.drafter.pool] if isinstance(engine.spec.drafter, DraftModelDrafter) else []):
+    for pool in [engine.block_pool] + ([engine.spec_decoder.drafter.pool] if isinstance(engine.spec_decoder.drafter, DraftModelDrafter) else []):
         used = [b for b in pool.blocks[1:] if b.ref_cnt]
         assert not used and pool.req_to_blocks == {}
     assert engine.requests == {}
@@ -149,7 +149,7 @@ def test_subset_head_drafts_from_its_kept_columns(models):
     for narrow in (True, False):
         engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=40,
                            draft=path, num_speculative_tokens=3, adaptive_speculation=False)
-        drafter = engine.spec.drafter
+        drafter = engine.spec_decoder.drafter
         assert isinstance(drafter, DraftModelDrafter) and drafter.head is not None
         widths, forward = [], drafter.runner.forward
 
@@ -431,8 +431,8 @@ def test_each_row_drafts_with_whichever_pays(models, good):
     drafter = LookupDrafter(model, Lookup(right=good == "lookup"))
     engine = LLMEngine(m["model"], m["tok"], None, max_model_len=256, block_size=4, num_blocks=60, draft=drafter,
                        num_speculative_tokens=3)
-    observe = engine.spec.step_cost.observe
-    engine.spec.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 0.010 + 0.001 * tokens, **kw)
+    observe = engine.spec_decoder.step_cost.observe
+    engine.spec_decoder.step_cost.observe = lambda tokens, seconds, **kw: observe(tokens, 0.010 + 0.001 * tokens, **kw)
     used = {"model": 0, "lookup": 0}
     for key, part in (("model", model), ("lookup", drafter.ngram)):
         def spy(seqs, ks, propose=part.propose, key=key):

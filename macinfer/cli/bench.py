@@ -74,7 +74,7 @@ def bench_cmd(model, url, api_key, concurrency, prompt_tokens, prefix, max_token
     ours = [s for s in summaries if s["label"] == backends[0].label]
     ratio_rows = bench.ratios(ours, base) if base else None
     drafted = backends[1].llm.engine if draft else None
-    draft_rows = (bench.draft_rows(ours, [s for s in summaries if s["label"] == backends[1].label], drafted.spec)
+    draft_rows = (bench.draft_rows(ours, [s for s in summaries if s["label"] == backends[1].label], drafted.spec_decoder)
                   if drafted is not None and drafted.features.speculation else None)
     if plot_path:
         bench.plot(summaries + base, plot_path)

@@ -117,9 +117,9 @@ class LLMEngine(RequestTable):
         self.grammars = GrammarCompiler(_hf_tokenizer(tokenizer), _logits_width(model, tokenizer),
                                         list(self.eos_token_ids))
         # draft="auto" says what it found (draft_choice: the -v line, the chat panel, /v1/models).
-        self.spec, self.draft_choice = make_spec_decoder(config, model, tokenizer, info, num_blocks, bs)
-        if self.spec is not None:
-            check_exact(self.spec.drafter, states, model_type)
+        self.spec_decoder, self.draft_choice = make_spec_decoder(config, model, tokenizer, info, num_blocks, bs)
+        if self.spec_decoder is not None:
+            check_exact(self.spec_decoder.drafter, states, model_type)
         self.state_pool = StatePool(self.max_num_seqs, self.specs.bytes_per_slot) if states else None
 
         # 3. The runner: the KV pools and the model's forwards.
@@ -128,8 +128,8 @@ class LLMEngine(RequestTable):
             model, self.specs, num_blocks, bs, batch_decode=supports_batched_offsets(model),
             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size, evaluator=evaluator,
             attention_fn=attention_fn if self.attention_backend != "reference" else None,
-            fill_masks=self.grammars.fill_masks, hidden_sink=self.spec.drafter.hidden_sink if self.spec else None,
-            verifier=verify_rows if self.spec else None,
+            fill_masks=self.grammars.fill_masks, hidden_sink=self.spec_decoder.drafter.hidden_sink if self.spec_decoder else None,
+            verifier=verify_rows if self.spec_decoder else None,
             compile_decode=_compiles_decode(config, ranks, model, cpu_lazy, evaluator.threaded),
             slot_of=self.state_pool.slot_of if states else None, images=images,
             **({"ranks": ranks} if runner_cls is LeaderRunner else {}))
@@ -150,11 +150,11 @@ class LLMEngine(RequestTable):
         # 5. The scheduler, the output side and the pipelined step.
         self.scheduler = self._make_scheduler(StopChecker(self.eos_token_ids))
         self.output = OutputProcessor()
-        self.pipeline = (Pipeline(self.scheduler, self.runner, self.output, self.spec)
+        self.pipeline = (Pipeline(self.scheduler, self.runner, self.output, self.spec_decoder)
                          if config.async_scheduling else None)
         self.features = EngineFeatures(
-            paged=True, prefix_cache=config.enable_prefix_cache, speculation=self.spec is not None,
-            structured_output=True, drafter=self.spec.drafter.name if self.spec is not None else None)
+            paged=True, prefix_cache=config.enable_prefix_cache, speculation=self.spec_decoder is not None,
+            structured_output=True, drafter=self.spec_decoder.drafter.name if self.spec_decoder is not None else None)
         if config.verbose:
             print(self.describe(), file=sys.stderr)
 
@@ -189,7 +189,7 @@ class LLMEngine(RequestTable):
                f"({len(self.specs.states)} state layers)" if self.state_pool is not None else "")
             + (f"; state snapshots: {fmt_bytes(self.snapshot_bytes, binary=True)}" if self.snapshots is not None else "")
             + (f"; {self.draft_choice.line()}" if self.draft_choice is not None else
-               f"; draft: {self.spec.drafter.name}" if self.spec is not None else "")
+               f"; draft: {self.spec_decoder.drafter.name}" if self.spec_decoder is not None else "")
         )
 
     def kv_stats(self) -> dict:
@@ -271,8 +271,8 @@ class LLMEngine(RequestTable):
         if seq is None or seq.is_finished:
             return
         self.scheduler.abort(request_id)
-        if self.spec is not None:
-            self.spec.remove(request_id)
+        if self.spec_decoder is not None:
+            self.spec_decoder.remove(request_id)
         self.output.aborted(seq)
 
     def release_thread(self) -> None:
@@ -316,16 +316,16 @@ class LLMEngine(RequestTable):
     def _step(self) -> list[StreamDelta]:
         """The synchronous step."""
         t0 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)  # drafts for the decode rows
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)  # drafts for the decode rows
         out = self.scheduler.schedule()
         sampled = self.runner.execute_model(out.scheduled) if out.scheduled else []
         moved = self.scheduler.update_from_output(out, sampled)
-        if self.spec is not None:  # acceptance and costs; what the drafter held for finished requests
+        if self.spec_decoder is not None:  # acceptance and costs; what the drafter held for finished requests
             for seq in out.finished:
-                self.spec.remove(seq.request_id)
+                self.spec_decoder.remove(seq.request_id)
             if out.scheduled:
-                self.spec.update_from_output(out.scheduled, sampled, time.perf_counter() - t0)
+                self.spec_decoder.update_from_output(out.scheduled, sampled, time.perf_counter() - t0)
         return self.output.deltas(moved)
 
 

@@ -58,14 +58,14 @@ class Pipeline:
         scheduler: an async scheduler (schedule_decode / launched / update_from_launched).
         runner: launches the forwards.
         output: streams the read-back tokens.
-        spec: the engine's SpecDecoder, or None: with one, a step worth drafting runs synchronously.
+        spec_decoder: the engine's SpecDecoder, or None: with one, a step worth drafting runs synchronously.
 
     NOTE: the engine runs a synchronous step only while `inflight` is None.
     """
 
     def __init__(self, scheduler: AsyncScheduling, runner: ModelRunner, output: OutputProcessor,
-                 spec: SpecDecoder | None = None):
-        self.scheduler, self.runner, self.output, self.spec = scheduler, runner, output, spec
+                 spec_decoder: SpecDecoder | None = None):
+        self.scheduler, self.runner, self.output, self.spec_decoder = scheduler, runner, output, spec_decoder
         self.inflight: InFlight | None = None  # the step queued and not yet read back
         self._last_resolve: float | None = None  # when the previous queued step was read back
 
@@ -86,20 +86,20 @@ class Pipeline:
             self.runner.evaluator.drain()  # a synchronous step comes next: nothing may run behind it
         else:
             self._sample_held(self.inflight)  # its grammar rows: their matchers now hold prev's tokens
-        if self.spec is not None:
+        if self.spec_decoder is not None:
             # Read-back to read-back is one step's cost only while a step is queued behind
             # each. The last read-back before a synchronous step has none: where queueing
             # blocks until the step before is done (MLX on the CPU), it times only that
             # step's tail (~20 ms of ~160 at 8 rows), and the fit took decode for cheap.
             now = time.perf_counter()
             full = self._last_resolve is not None and self.inflight is not None
-            self.spec.skip_step(self.scheduler.running, len(prev.seqs),
+            self.spec_decoder.skip_step(self.scheduler.running, len(prev.seqs),
                                 now - self._last_resolve if full else None)
             self._last_resolve = now if self.inflight is not None else None
         return deltas
 
     def _schedule(self, prev: InFlight | None) -> list[Sequence]:
-        wants_sync = None if self.spec is None else self.spec.wants_sync
+        wants_sync = None if self.spec_decoder is None else self.spec_decoder.wants_sync
         return self.scheduler.schedule_decode(None if prev is None else prev.seqs, wants_sync)
 
     def _launch(self, rows: list[Sequence], prev: InFlight | None) -> InFlight:
@@ -137,8 +137,8 @@ class Pipeline:
         tokens = step.tokens.tolist()
         step.logprob_rows.deliver()
         moved = self.scheduler.update_from_launched(step.seqs, tokens)
-        if self.spec is not None:
+        if self.spec_decoder is not None:
             for seq in moved:
                 if seq.is_finished:
-                    self.spec.remove(seq.request_id)  # what the drafter held for it (a sync step's record would)
+                    self.spec_decoder.remove(seq.request_id)  # what the drafter held for it (a sync step's record would)
         return self.output.deltas(moved)

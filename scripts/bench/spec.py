@@ -151,9 +151,9 @@ class VirtualClock:
             return launch(seqs, tokens)
 
         runner.run_forward, runner.launch_decode, runner.execute_model = run_forward, launch_decode, execute_model
-        if engine.spec is None:
+        if engine.spec_decoder is None:
             return
-        drafter = getattr(engine.spec.drafter, "model", engine.spec.drafter)
+        drafter = getattr(engine.spec_decoder.drafter, "model", engine.spec_decoder.drafter)
         for name, cost in (("_run", self.d), ("_forward", 3 * self.d)):  # a feature round; a token-draft round
             fn = getattr(drafter, name, None)
             if fn is not None:
@@ -244,7 +244,7 @@ def _report(engines, totals, per_prompt, random_ratio, same):
               f"{statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max; never-repeating text "
               f"{random_ratio[k][0]:.2f}x), {accepted} of {drafted} drafts accepted ({accepted / max(drafted, 1):.2f})",
               flush=True)
-        spec = engines[k].spec
+        spec = engines[k].spec_decoder
         if spec is not None and spec.step_cost.ready:  # what adaptive k weighed, as the engine measured it
             a, b = spec.step_cost.coeffs()
             print(f"           step = {1e3 * a:.1f} + {1e3 * b:.1f} ms x tokens, synchronous step +"

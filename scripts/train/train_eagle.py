@@ -498,7 +498,7 @@ def cmd_engine(args):
     for option in args.engine.split(","):
         engine = LLMEngine(model, tok, info, kv_memory="256MB", max_num_seqs=8, enable_prefix_cache=False,
                            draft=option, adaptive_speculation=not args.every_step)
-        spec, counts = engine.spec, collections.defaultdict(lambda: [0, 0, 0])  # kind -> steps, drafted, accepted
+        spec, counts = engine.spec_decoder, collections.defaultdict(lambda: [0, 0, 0])  # kind -> steps, drafted, accepted
         update = spec.update_from_output
 
         def spy(scheduled, sampled, seconds, spec=spec, counts=counts, update=update):
