@@ -393,7 +393,11 @@ def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threade
 
 
 def _hf_tokenizer(tokenizer):
-    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself).
+
+    NOTE: llguidance checks the tokenizer's type, so the wrapper's attribute forwarding is not
+    enough; the wrapper has no public accessor, and `_tokenizer` is the one it forwards to.
+    """
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 

@@ -105,8 +105,7 @@ def _file_vocab(path: Path) -> tuple[dict, dict] | None:
 
 
 def _target_special(tokenizer) -> dict:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    decoder = getattr(hf, "added_tokens_decoder", None) or {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}  # mlx-lm's wrapper passes it on
     return {i: str(t) for i, t in decoder.items() if getattr(t, "special", False)}
 
 

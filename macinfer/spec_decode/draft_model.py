@@ -46,9 +46,10 @@ SHIPPED_DRAFTS = {"smollm2-135m": _MODELS / "smollm2-135m-eagle", "smollm2-135m-
 
 
 def tokenizer_vocab(tokenizer) -> dict:
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    """The vocabulary (token -> id) of a Hugging Face tokenizer or mlx-lm's wrapper (which passes
+    the call on)."""
     try:
-        return tok.get_vocab()
+        return tokenizer.get_vocab()
     except Exception as e:  # pragma: no cover - exotic tokenizers
         raise MacinferError(f"cannot read the tokenizer vocabulary ({type(e).__name__})") from None
 
