@@ -24,7 +24,8 @@ import pytest
 from oracle import mlx_lm_greedy
 from test_hybrid import HYBRID
 from test_models_cli import add_hf_repo
-from test_spec_decode import TEXTS, chi2_pvalue, run
+from test_rejection import chi2_pvalue
+from test_spec_decode import TEXTS, run, sampled_prefixes
 
 from drafts import eagle3_draft, mtp_checkpoint
 from macinfer.core.sampling import Sampler, SamplingParams
@@ -269,16 +270,7 @@ def test_sampled_tokens_follow_the_target(root, kind):
     assert overlap, "no prompt where the draft and the target share a likely token"
     cells = [(a, b) for a in np.flatnonzero(p[()]) for b in np.flatnonzero(p[(a,)])]
     n = 400
-    for i in range(n):
-        e.add_request(prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=i))
-    counts, drafted, accepted = {}, 0, 0
-    while e.has_unfinished():
-        for d in e.step():
-            if d.output is not None:
-                key = tuple(d.output.token_ids[:2])
-                counts[key] = counts.get(key, 0) + 1
-                drafted += d.output.metrics.draft_tokens
-                accepted += d.output.metrics.accepted_tokens
+    counts, drafted, accepted = sampled_prefixes(e, prompt, n, width=2, max_tokens=3)
     assert set(counts) <= set(cells)
     observed = np.array([counts.get(cell, 0) for cell in cells], dtype=float)
     expected = np.array([p[()][a] * p[(a,)][b] for a, b in cells]) * n

@@ -11,7 +11,6 @@ follow the target's exact distribution (chi-square on the first two tokens).
 from __future__ import annotations
 
 import json
-import math
 
 import mlx.core as mx
 import mlx_lm
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from driver import run as drive
 from oracle import mlx_lm_greedy
+from test_rejection import chi2_pvalue
 
 from macinfer.spec_decode.drafter import DraftModelDrafter, NgramDrafter
 from macinfer.engine.llm_engine import LLMEngine
@@ -305,11 +305,21 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
 
 
 # -- sampling: the distribution is the target's ---------------------------------------------
-def chi2_pvalue(observed, expected):
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    df = observed.size - 1
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+def sampled_prefixes(engine, prompt, n: int, width: int, max_tokens: int) -> tuple[dict, int, int]:
+    """n requests sampled from `prompt` (temperature 1, top-k 3, seeds 0..n-1) -> (count of each
+    first-`width`-token prefix, drafts proposed, drafts accepted)."""
+    for i in range(n):
+        engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=max_tokens, ignore_eos=True,
+                                                  seed=i))
+    counts, drafted, accepted = {}, 0, 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.output is not None:
+                key = tuple(d.output.token_ids[:width])
+                counts[key] = counts.get(key, 0) + 1
+                drafted += d.output.metrics.draft_tokens
+                accepted += d.output.metrics.accepted_tokens
+    return counts, drafted, accepted
 
 
 def feature_draft(m, out, keep):
@@ -368,16 +378,7 @@ def test_sampled_tokens_follow_the_target(models, kind):
     engine = LLMEngine(model, m["tok"], None, max_model_len=64, block_size=4, num_blocks=900, max_num_seqs=64,
                        draft=draft, num_speculative_tokens=2, adaptive_speculation=False)
     n = 1000 if kind == "top" else 1500
-    for i in range(n):
-        engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=i))
-    counts, drafted, accepted = {}, 0, 0
-    while engine.has_unfinished():
-        for d in engine.step():
-            if d.output is not None:
-                key = tuple(d.output.token_ids[:3])
-                counts[key] = counts.get(key, 0) + 1
-                drafted += d.output.metrics.draft_tokens
-                accepted += d.output.metrics.accepted_tokens
+    counts, drafted, accepted = sampled_prefixes(engine, prompt, n, width=3, max_tokens=4)
     assert set(counts) <= set(cells)
     observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
     expected = np.array([p[()][a] * p[(a,)][b] * p[(a, b)][c] for a, b, c in cells]) * n
