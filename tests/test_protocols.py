@@ -316,6 +316,10 @@ def test_ollama_models_list_show_ps_version_and_keep_alive(served):
     gone = c.generate(model="other:latest", keep_alive=0)  # an empty prompt with keep_alive 0: unload now
     assert gone.done_reason == "unload"
     _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])
+    pool = served[2].state.server.pool
+    loads = pool.num_loads
+    assert c.generate(model="other", keep_alive=0).done_reason == "unload"  # `ollama stop` on a model not loaded
+    assert pool.num_loads == loads  # loads nothing (which could unload another model to make room)
     c.chat(model="other", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}, keep_alive="1s")
     assert [m.expires_at is not None for m in c.ps().models] == [False, True]
     _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])

@@ -354,8 +354,10 @@ class OllamaReplies:
         """An empty prompt (or message list): load the model, or with keep_alive 0 unload it."""
         check_known(req, self.server.lenient)
         seconds = keep_alive_seconds(req.keep_alive)
-        async with held(self.server.pool, await resolve(self.server.pool, req.model)) as m:
-            pass
+        m = await self.server.pool.lookup(await resolve(self.server.pool, req.model))
+        if seconds != 0:  # NOTE: keep_alive 0 (`ollama stop`) loads nothing, so it evicts no other model
+            async with held(self.server.pool, m.name):
+                pass
         reason = "unload" if seconds == 0 and not m.pinned else "load"  # the default model stays loaded
         self.keep_alive.set(m, seconds)
         body = Reply(req.model, chat).piece(done=True)
