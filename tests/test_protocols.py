@@ -371,6 +371,29 @@ def test_ollama_pull_streams_its_progress_and_delete_removes(served, monkeypatch
     assert e.value.status_code == 404
 
 
+def test_ollama_delete_of_a_model_ls_lists_takes_it_off_the_list(tiny_models, tmp_path, monkeypatch):
+    """A deleted model is not listed (nor served: a request naming it would download it again)."""
+    from test_models_cli import add_hf_repo
+
+    from macinfer.serve.model_pool import local_models
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MACINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = "mlx-community/Tiny-Qwen"
+    add_hf_repo(tmp_path / "hub", repo, tiny_models("qwen2"))
+    app = create_app(LLM(str(tiny_models("llama")), num_blocks=65), model_name=MODEL,
+                     models=PoolOptions(discover=local_models, load=lambda spec: LLM(spec, num_blocks=65)))
+    with serve_in_thread(app) as url:
+        c = llama(url)
+        assert repo + ":latest" in [m.model for m in c.list().models]
+        assert c.delete(repo).status == "success"
+        with pytest.raises(ollama.ResponseError) as e:
+            c.chat(model=repo, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 404
+        assert repo + ":latest" not in [m.model for m in c.list().models]
+
+
 def test_ollama_pull_delete_and_what_is_not_served(served):
     url = served[0]
     c = llama(url)

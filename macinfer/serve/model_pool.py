@@ -164,10 +164,20 @@ class ModelPool:
     async def listing(self) -> list[ServedModel]:
         """Every model this server can serve: the ones known, then the others `ls` lists."""
         if self.options.discover is not None:
-            for name, ctx in (await asyncio.to_thread(self.options.discover)).items():
+            found = await asyncio.to_thread(self.options.discover)
+            for name, ctx in found.items():
                 if self.find(name) is None and not self._loaded_as(name):
                     self.models[name] = ServedModel(name, name, context_length=ctx)
+            # NOTE: a discovered model removed from the disk since (`macinfer rm`, Ollama's delete) is
+            # forgotten, unless in use: listed, a request for it would download it again.
+            for m in [m for m in self.models.values() if m.name not in found and self._forgettable(m)]:
+                del self.models[m.name]
         return list(self.models.values())
+
+    def _forgettable(self, m: ServedModel) -> bool:
+        """A discovered model (not the default, not named by --model) that nothing is using."""
+        return not (m.pinned or m.name in self.options.others or m.loaded or m.loading is not None or m.holds
+                    or m.draining)
 
     def _loaded_as(self, name: str) -> ServedModel | None:
         """The loaded model `name` resolved to (`--served-model-name` hides the catalog name)."""

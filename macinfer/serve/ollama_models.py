@@ -270,6 +270,7 @@ class OllamaModels:
         except MacinferError as e:
             missing = str(e).startswith("no model") or "not downloaded" in str(e)
             raise APIError(404 if missing else 400, str(e), "model") from None
+        await self.pool.listing()  # the pool forgets it: a request naming it would download it again
         return JSONResponse(None, status_code=200)
 
 
