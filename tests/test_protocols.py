@@ -323,6 +323,13 @@ def test_ollama_models_list_show_ps_version_and_keep_alive(served):
     c.chat(model="other", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}, keep_alive="1s")
     assert [m.expires_at is not None for m in c.ps().models] == [False, True]
     _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])
+    c.chat(model="other", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1}, keep_alive=1e12)
+    assert [m.expires_at for m in c.ps().models] == [None, None]  # past any date: kept, as a negative one
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model="other", messages=[{"role": "user", "content": "hi"}], keep_alive="nan")
+    assert e.value.status_code == 400 and "keep_alive" in e.value.error
+    c.generate(model="other", keep_alive=0)
+    _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])
 
 
 def _wait_for(cond, seconds: float = 30) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import re
 import time
 from datetime import datetime, timezone
@@ -42,6 +43,7 @@ OLLAMA_VERSION = "0.12.0"
 LATEST = ":latest"
 PULL_POLL_SECONDS = 0.5
 DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+KEEP_FOREVER_SECONDS = 100 * 365 * 86400  # a keep_alive this long keeps the model loaded
 UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 
 
@@ -68,13 +70,15 @@ async def resolve(pool: ModelPool, name: str) -> str:
 
 def keep_alive_seconds(value) -> float | None:
     """Ollama's keep_alive in seconds: a number of seconds or a Go duration ("5m", "1h30m", "0");
-    None (absent or negative): keep the model loaded.
+    None (absent, negative, or a century or more): keep the model loaded.
 
     Raises:
         APIError: 400 for anything else.
     """
     if value is None or value == "":
         return None
+    bad = APIError(400, f"keep_alive must be seconds or a duration such as 5m or 1h, got {value!r}",
+                   "keep_alive", "invalid_value")
     if isinstance(value, (int, float)):
         seconds = float(value)
     else:
@@ -84,10 +88,12 @@ def keep_alive_seconds(value) -> float | None:
         except ValueError:
             parts = DURATION.findall(text)
             if not parts or "".join(n + u for n, u in parts) != text:
-                raise APIError(400, f"keep_alive must be seconds or a duration such as 5m or 1h, got {value!r}",
-                               "keep_alive", "invalid_value") from None
+                raise bad from None
             seconds = sum(float(n) * UNITS[u] for n, u in parts)
-    return None if seconds < 0 else seconds
+    if math.isnan(seconds):
+        raise bad
+    # NOTE: a century or more (inf included) is kept as a negative one is: its expiry is no date (/api/ps)
+    return None if seconds < 0 or seconds >= KEEP_FOREVER_SECONDS else seconds
 
 
 class KeepAlive:
