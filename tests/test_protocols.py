@@ -176,6 +176,9 @@ def test_stored_responses_are_bounded_and_survive_a_restart(tmp_path):
     other, rid = ResponseStore(tmp_path, limit=2), f"resp_{9:032x}"  # a second server on the same directory
     again.put(rid, {"response": {"n": 9}, "messages": []})
     assert other.get(rid)["response"] == {"n": 9}
+    rid = f"resp_{10:032x}"
+    again.put(rid, {"response": {"n": 10}, "messages": []})
+    assert other.delete(rid) and again.get(rid) is None  # deleted by the server that did not store it
     memory = ResponseStore(None, limit=1)
     memory.put(ids[0], {"response": {}, "messages": []})
     assert not memory.persistent and memory.get(ids[0]) is not None

@@ -111,12 +111,16 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         """Forget `rid`; whether it was stored."""
-        if not ID.fullmatch(rid) or rid not in self._ids:
+        if not ID.fullmatch(rid):
             return False
-        del self._ids[rid]
-        if self.directory is not None:
-            self._path(rid).unlink(missing_ok=True)
-        return True
+        known = rid in self._ids
+        self._ids.pop(rid, None)
+        if self.directory is None or self.limit == 0:
+            return known
+        path = self._path(rid)
+        on_disk = path.is_file()  # another server on the same directory may have stored it (as in get)
+        path.unlink(missing_ok=True)
+        return known or on_disk
 
     def _read(self, rid: str) -> dict | None:
         try:
