@@ -246,3 +246,31 @@ def test_each_protocol_refuses_images_for_a_model_that_does_not_see(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
     assert httpx.post(text_url + "/api/generate", json={"model": "tiny-text", "prompt": "hi", "stream": False,
                                                         "options": {"num_predict": 2}}).json()["done"]
+
+
+def test_count_tokens_reads_a_remote_image_where_messages_would(vision, tmp_path):
+    """With --allow-remote-images, count_tokens counts an image by URL as /v1/messages renders it:
+    as many tokens as the same image sent as base64."""
+    import functools
+    import http.server
+    import threading
+
+    import anthropic
+
+    path, pics, *_ = vision
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(pics[0].parent))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    b64 = base64.b64encode(pics[0].read_bytes()).decode()
+    sources = [{"type": "base64", "media_type": "image/png", "data": b64},
+               {"type": "url", "url": f"http://127.0.0.1:{httpd.server_address[1]}/{pics[0].name}"}]
+    llm = LLM(str(path), engine="paged", num_blocks=64, block_size=4)
+    try:
+        with serve_in_thread(create_app(llm, model_name=MODEL, allow_remote_images=True)) as url:
+            a = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+            counts = [a.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
+                {"type": "image", "source": s}, {"type": "text", "text": "Describe the fox"}]}]).input_tokens
+                for s in sources]
+    finally:
+        httpd.shutdown()
+    assert counts[0] == counts[1] > 0

@@ -387,7 +387,7 @@ class Messages:
         check_supported(req)
         chat = chat_request(req)
         async with held(self.server.pool, req.model) as m:
-            prepared = await asyncio.to_thread(chat_prepared, m.llm, chat, NAMES)
+            prepared = await asyncio.to_thread(chat_prepared, m.llm, chat, NAMES, self.server.allow_remote_images)
         return {"input_tokens": len(prepared.prompt_ids)}
 
 
