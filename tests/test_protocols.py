@@ -335,6 +335,43 @@ def test_ollama_models_list_show_ps_version_and_keep_alive(served):
     _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])
 
 
+def test_a_reply_while_a_keep_alive_unload_waits_keeps_the_model_as_it_asks(served):
+    """keep_alive 0 on `other` while the pool is busy loading (its lock held here, as a load of
+    another model holds it): the unload waits; a reply meanwhile asking to keep the model wins."""
+    import asyncio
+
+    url, _, app = served
+    pool, c = app.state.server.pool, llama(url)
+    held = {}
+
+    async def lock():  # on the server's loop, as a load would
+        pool._lock = pool._lock or asyncio.Lock()
+        await pool._lock.acquire()
+
+    async def unlock():
+        pool._lock.release()
+        async with pool._lock:  # FIFO: whatever waited for the lock has run by now
+            held["models"] = [m.name for m in pool.loaded()]
+
+    app.post("/test/lock")(lock)
+    app.post("/test/unlock")(unlock)
+
+    def reply(keep_alive):
+        c.chat(model="other", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1},
+               keep_alive=keep_alive)
+
+    reply(-1)
+    assert httpx.post(url + "/test/lock").status_code == 200
+    try:
+        reply(0)  # its unload now waits for the lock
+        reply(-1)  # and this one asks to keep the model
+    finally:
+        assert httpx.post(url + "/test/unlock").status_code == 200
+    assert held["models"] == ["tiny", "other"]
+    c.generate(model="other", keep_alive=0)
+    _wait_for(lambda: [m.model for m in c.ps().models] == ["tiny:latest"])
+
+
 def _wait_for(cond, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while not cond():

@@ -296,12 +296,14 @@ class ModelPool:
             while m.busy:
                 await asyncio.sleep(POLL_SECONDS)
             engine, m.engine, m.llm, m.nbytes = m.engine, None, None, 0
-            await asyncio.to_thread(_free, engine)
-            if m.lease is not None:
-                m.lease.release()
-                m.lease = None
-            self.num_unloads += 1
-            log.info("unloaded %s", m.name)
+            try:  # NOTE: once its engine is taken, a cancelled unload (a keep_alive timer) still frees it
+                await asyncio.shield(asyncio.to_thread(_free, engine))
+            finally:
+                if m.lease is not None:
+                    m.lease.release()
+                    m.lease = None
+                self.num_unloads += 1
+                log.info("unloaded %s", m.name)
         finally:
             m.draining = False
 

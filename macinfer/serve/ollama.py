@@ -332,6 +332,9 @@ class OllamaReplies:
                                      check=lambda m: _check_think(m, req.think), **what)
         if gen is None:
             return PlainTextResponse("", status_code=499)
+        # NOTE: a pending keep_alive unload of the model (even one waiting for another model's load, or
+        # draining it for this reply) gives way to this reply's keep_alive, set when it ends.
+        self.keep_alive.cancel(name)
         reply = Reply(req.model, chat=route.endpoint == "api/chat")
         if req.stream:
             return StreamingResponse(self._ndjson(gen, reply, seconds), media_type="application/x-ndjson")

@@ -104,23 +104,32 @@ class KeepAlive:
         self.expires: dict[str, float] = {}  # model name -> wall-clock time it will be unloaded
         self._timers: dict[str, asyncio.Task] = {}
 
-    def set(self, m: ServedModel, seconds: float | None) -> None:
-        timer = self._timers.pop(m.name, None)
+    def cancel(self, name: str) -> None:
+        """Drop `name`'s pending unload: an Ollama request for it has begun (its keep_alive comes next)."""
+        timer = self._timers.pop(name, None)
         if timer is not None:
             timer.cancel()
-        self.expires.pop(m.name, None)
+        self.expires.pop(name, None)
+
+    def set(self, m: ServedModel, seconds: float | None) -> None:
+        self.cancel(m.name)
         if seconds is None or m.pinned:
             return
         self.expires[m.name] = time.time() + seconds
         self._timers[m.name] = asyncio.ensure_future(self._expire(m, seconds))
 
     async def _expire(self, m: ServedModel, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        while m.busy:  # a request came meanwhile: unload after it (its own keep_alive resets this)
-            await asyncio.sleep(POLL_SECONDS)
-        self.expires.pop(m.name, None)
-        self._timers.pop(m.name, None)
-        await self.pool.unload(m)
+        # NOTE: the timer stays in _timers until the model is gone, so that an Ollama request beginning
+        # meanwhile cancels it, even while the unload waits for another model's load to finish.
+        try:
+            await asyncio.sleep(seconds)
+            while m.busy:  # another protocol's request came meanwhile: unload after it
+                await asyncio.sleep(POLL_SECONDS)
+            await self.pool.unload(m)
+        finally:
+            if self._timers.get(m.name) is asyncio.current_task():
+                del self._timers[m.name]
+                self.expires.pop(m.name, None)
 
     def shutdown(self) -> None:
         for timer in self._timers.values():
