@@ -11,6 +11,7 @@ to the tool's schema by the grammar (jsonschema checks it).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -179,6 +180,11 @@ def test_stored_responses_are_bounded_and_survive_a_restart(tmp_path):
     rid = f"resp_{10:032x}"
     again.put(rid, {"response": {"n": 10}, "messages": []})
     assert other.delete(rid) and again.get(rid) is None  # deleted by the server that did not store it
+    stale = tmp_path / f".{ids[2]}.json.123.tmp"  # a killed server's half-written record
+    stale.write_text("{")
+    os.utime(stale, (0, 0))
+    ResponseStore(tmp_path, limit=2)
+    assert not stale.exists()
     memory = ResponseStore(None, limit=1)
     memory.put(ids[0], {"response": {}, "messages": []})
     assert not memory.persistent and memory.get(ids[0]) is not None

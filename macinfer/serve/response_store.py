@@ -28,6 +28,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from macinfer.errors import MacinferError
+from macinfer.staging import remove_stale
 
 log = logging.getLogger("macinfer.serve.server")
 
@@ -57,6 +58,7 @@ class ResponseStore:
         if directory is not None and limit > 0:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
+                remove_stale(directory, ".resp_*.tmp")  # what a killed server was writing
                 files = sorted(directory.glob("resp_*.json"), key=lambda p: p.stat().st_mtime)
             except OSError as e:
                 raise MacinferError(f"cannot keep stored responses in {directory} ({e.strerror or e}): make it "
