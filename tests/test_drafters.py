@@ -456,3 +456,18 @@ def test_the_server_says_which_drafter_each_loaded_model_uses(root, env):
         r = client.completions.create(model="qwen-mtp", prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"return_token_ids": True})
         assert r.choices[0].model_extra["token_ids"] == c["want"][0]
+
+
+def test_show_says_what_auto_picks_where_weights_stay_quantised(root, env, monkeypatch):
+    """`macinfer show`'s line follows auto's rule: a model that loads quantised on MLX's CPU backend
+    (too large for float32) drafts nothing; one that loads as float32 gets lookup at least."""
+    from types import SimpleNamespace
+
+    from macinfer.spec_decode import auto_draft
+
+    monkeypatch.setattr(auto_draft.mx.metal, "is_available", lambda: False)
+    m = SimpleNamespace(config={}, path=None, catalog_name=None, name="some-model", quantization="4-bit",
+                        num_params=70_000_000_000)
+    assert auto_draft.describe_auto(m).startswith("none (quantised weights without Metal")
+    assert auto_draft.describe_auto(SimpleNamespace(**{**vars(m), "num_params": 1_000_000})).startswith("n-gram")
+    assert auto_draft.describe_auto(SimpleNamespace(**{**vars(m), "quantization": None})).startswith("n-gram")

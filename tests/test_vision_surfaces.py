@@ -216,6 +216,7 @@ def test_each_protocol_sends_an_image_and_gets_mlx_vlm_s_answer(vision, served):
     assert reply.message.content == want
     assert o.generate(model=MODEL, prompt="Describe the fox", images=[pics[0].read_bytes()], options=greedy,
                       ).response == want
+    assert "vision" in o.show(MODEL).capabilities  # Ollama's clients offer an image upload by it
 
 
 def test_each_protocol_refuses_images_for_a_model_that_does_not_see(served):
@@ -240,6 +241,7 @@ def test_each_protocol_refuses_images_for_a_model_that_does_not_see(served):
         ollama.Client(host=text_url).chat(model="tiny-text", messages=[
             {"role": "user", "content": "what is this?", "images": [png]}])
     assert e.value.status_code == 400 and "does not take images" in e.value.error
+    assert "vision" not in ollama.Client(host=text_url).show("tiny-text").capabilities
     # A file part is refused by name; the server serves on.
     r = httpx.post(text_url + "/v1/responses", json={"model": "tiny-text", "input": [{"role": "user", "content": [
         {"type": "input_file", "file_id": "file-1"}]}]})

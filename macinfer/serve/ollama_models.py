@@ -180,9 +180,11 @@ def iso(t: float) -> str:
 
 def capabilities(m: ServedModel) -> list[str]:
     """completion; tools (any model calls them here, in its own syntax or the generic format);
-    thinking when the loaded model thinks."""
+    thinking when the loaded model thinks; vision when it takes images (Ollama's clients offer an
+    image upload by it)."""
     thinks = m.llm is not None and thinking_of(m.llm.tokenizer) is not None
-    return ["completion", "tools"] + (["thinking"] if thinks else [])
+    sees = m.llm is not None and m.llm.images is not None
+    return ["completion", "tools"] + (["thinking"] if thinks else []) + (["vision"] if sees else [])
 
 
 def template(m: ServedModel) -> str:

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from macinfer.errors import MacinferError
 from macinfer.modelio.hub import draft_snapshot
-from macinfer.modelio.loader import read_catalog
+from macinfer.modelio.loader import dequantize_by_default, read_catalog
 from macinfer.modelio.model_files import read_config
 from macinfer.modelio.registry import list_models
 from macinfer.spec_decode.draft_model import SHIPPED_DRAFTS, tokenizer_vocab
@@ -200,6 +200,10 @@ def _label(path: Path) -> str:
 def describe_auto(m) -> str:
     """What `auto` would pick for a model on disk (macinfer.modelio.registry.LocalModel), from its files."""
     config = m.config or {}
+    quantised = bool(m.quantization) and m.quantization != "float"
+    if quantised and not mx.metal.is_available() and not dequantize_by_default(m.num_params or 0, True):
+        # It loads quantised here (too large for float32): as verify_pays decides for the loaded model.
+        return "none (quantised weights without Metal: verifying k drafts costs about k steps here)"
     if m.path is not None and m.path.is_dir() and (promised_layers(config) or mtp_keys(m.path, config)):
         if mtp_keys(m.path, config):
             return "mtp (the checkpoint's own MTP layers)"
