@@ -386,19 +386,25 @@ def test_show_describes_a_downloaded_model(populated, tiny):
         assert word in text.output
 
 
-def test_show_the_embedded_model_and_a_catalog_entry(env):
+def test_show_the_embedded_model_and_a_catalog_entry(env, monkeypatch):
     r = cli("show", "smollm2-135m", "--json")
     assert r.exit_code == 0, r.output
     info = json.loads(r.output)
     assert info["kind"] == "embedded" and info["shipped_draft"] == "smollm2-135m"
     assert info["auto_draft"] == "smollm2-135m (the feature draft shipped for it) with n-gram lookup"
     assert info["architecture"] == "llama" and info["kv_bytes_per_token"] > 0
+    from macinfer.spec_decode import auto_draft
+
+    # On a Mac: its known drafts (models/catalog.json), not on disk: what --with-draft would fetch.
+    monkeypatch.setattr(auto_draft.mx.metal, "is_available", lambda: True)
     r = cli("show", "qwen3-8b")
     assert r.exit_code == 0, r.output
     assert "not downloaded" in r.output and "macinfer pull qwen3-8b" in r.output
-    # Its known drafts (models/catalog.json), not on disk: what --with-draft would fetch.
     assert "known drafts not downloaded: RedHatAI/Qwen3-8B-speculator.eagle3, qwen3-0.6b" in r.output
     assert "macinfer pull qwen3-8b --with-draft" in r.output
+    # Without Metal its 4-bit weights stay quantised (too large for float32): auto drafts nothing.
+    monkeypatch.setattr(auto_draft.mx.metal, "is_available", lambda: False)
+    assert "draft (auto)  none (quantised weights without Metal" in cli("show", "qwen3-8b").output
 
 
 def test_show_unknown_is_one_line(env):
