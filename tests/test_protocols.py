@@ -190,6 +190,27 @@ def test_stored_responses_are_bounded_and_survive_a_restart(tmp_path):
     assert not memory.persistent and memory.get(ids[0]) is not None
 
 
+def test_stored_responses_are_bounded_in_bytes(tmp_path):
+    """Records holding images are large: the store keeps at most max_bytes of them, the oldest going
+    first, on disk and after a restart; one record over the budget alone is not kept."""
+    image = "data:image/png;base64," + "A" * 4000
+    record = {"response": {}, "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                          "image_url": {"url": image}}]}]}
+    ids = [f"resp_{i:032x}" for i in range(4)]
+    store = ResponseStore(tmp_path, limit=100, max_bytes=10_000)
+    for rid in ids:
+        store.put(rid, record)
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("resp_*.json"))
+    assert len(store) == 2 and store.bytes == on_disk <= 10_000  # two of ~4.1 KB fit
+    assert store.get(ids[1]) is None and store.get(ids[3]) is not None
+    for t, rid in enumerate(ids[2:], 1):  # the files' order as written (mtimes can tie within a tick)
+        os.utime(tmp_path / f"{rid}.json", (t, t))
+    again = ResponseStore(tmp_path, limit=100, max_bytes=5_000)  # restarted with a smaller budget
+    assert len(again) == 1 and again.get(ids[3]) is not None and again.get(ids[2]) is None
+    again.put(f"resp_{9:032x}", {**record, "extra": "x" * 6000})
+    assert again.get(f"resp_{9:032x}") is None and again.get(ids[3]) is not None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_structured_output_in_responses_and_anthropic(served, stream):
     url = served[0]

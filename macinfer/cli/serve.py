@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from macinfer.errors import MacinferError
+from macinfer.units import parse_bytes
 
 from macinfer.cli.options import engine_option, engine_options, one_line_errors, parallel_option
 
@@ -45,6 +46,8 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @click.option("--max-stored-responses", type=click.IntRange(0), default=1000, show_default=True,
               help="Responses kept for /v1/responses' previous_response_id (on disk, so they survive a restart; "
                    "the oldest go first; 0 keeps none).")
+@click.option("--stored-responses-size", default="1GB", show_default=True, metavar="SIZE",
+              help="Disk the stored responses may take (their images included); the oldest go first.")
 @engine_option
 @parallel_option
 @click.option("--log-level", default="info", show_default=True,
@@ -52,7 +55,7 @@ from macinfer.cli.options import engine_option, engine_options, one_line_errors,
 @one_line_errors
 def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_name, models, local_models,
               max_loaded_models, models_memory, kv_memory, max_num_seqs, dequantize, draft, lenient, allow_remote_images,
-              max_stored_responses, log_level, engine, parallel, micro_batches):
+              max_stored_responses, stored_responses_size, log_level, engine, parallel, micro_batches):
     """Serve MODEL over OpenAI's, Anthropic's and Ollama's HTTP APIs with continuous batching.
 
     \b
@@ -109,6 +112,7 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
     from macinfer.serve.server import create_app
 
     check_api_key(api_key)  # before the model loads
+    stored_bytes = parse_bytes(stored_responses_size, "--stored-responses-size")
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
     specs = ([model] if model else []) + list(models)
@@ -124,7 +128,8 @@ def serve_cmd(model, host, port, api_key, health_auth, max_queue, served_model_n
                          lambda spec: LLM(spec, dequantize=dequantize, engine=engine, **options), kv_memory)
     pool.lease_what = f"macinfer serve on port {port}"  # `macinfer rm` refuses a loaded model
     limits = {"max_queue": max_queue} if max_queue is not None else {}
-    store = ResponseStore(cache_dir() / "responses", limit=max_stored_responses)
+    store = ResponseStore(cache_dir() / "responses", limit=max_stored_responses,
+                          max_bytes=stored_bytes)
     app = create_app(llm, api_key=api_key, model_name=served_model_name, health_auth=health_auth, lenient=lenient,
                      models=pool, allow_remote_images=allow_remote_images, response_store=store, **limits)
     click.echo(f"serving {served_model_name or llm.info.name} on http://{host}:{port}/v1", err=True)

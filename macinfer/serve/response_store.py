@@ -12,8 +12,9 @@ Design choices:
 - One JSON file per response in `directory`, written atomically (a temporary file, then
   os.replace) and checked when read back (its id and version): responses survive a restart.
   directory None keeps them in memory only, for this server's life.
-- At most `limit` records: storing one more drops the oldest (by when it was stored; on start,
-  by the files' modification times). limit 0 stores nothing.
+- At most `limit` records and `max_bytes` of them (their JSON, images included): storing one more
+  drops the oldest (by when it was stored; on start, by the files' modification times) until both
+  hold. limit 0 stores nothing; a record larger than max_bytes alone is not kept (one log line).
 - NOTE: ids reach the file system, so only ids this module could have made (`resp_` and hex) are
   looked up; anything else is simply unknown.
 """
@@ -34,6 +35,7 @@ log = logging.getLogger("macinfer.serve.server")
 
 VERSION = 1
 MAX_STORED = 1000
+MAX_STORED_BYTES = 1_000_000_000
 ID = re.compile(r"resp_[0-9a-f]{16,64}")
 
 
@@ -43,18 +45,21 @@ class ResponseStore:
     Args:
         directory: where the records are kept (created if need be); None: in memory only.
         limit: records kept at most (the oldest are dropped first); 0: none.
+        max_bytes: their total size at most (the oldest are dropped first).
 
     Raises:
         MacinferError: the directory cannot be made or read.
     """
 
-    def __init__(self, directory: Path | None, limit: int = MAX_STORED):
-        if limit < 0:
-            raise ValueError(f"the number of stored responses must be >= 0, got {limit}")
-        self.directory, self.limit = directory, limit
+    def __init__(self, directory: Path | None, limit: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        if limit < 0 or max_bytes < 0:
+            raise ValueError(f"stored responses' bounds must be >= 0, got {limit} records, {max_bytes} bytes")
+        self.directory, self.limit, self.max_bytes = directory, limit, max_bytes
         # Oldest first. NOTE: on disk a record is read when asked for (None here), so memory stays
         # small whatever the limit; in memory it is the record itself.
         self._ids: OrderedDict[str, dict | None] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # bytes of each record in _ids; invariant: self.bytes is their sum
+        self.bytes = 0
         if directory is not None and limit > 0:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
@@ -64,7 +69,7 @@ class ResponseStore:
                 raise MacinferError(f"cannot keep stored responses in {directory} ({e.strerror or e}): make it "
                                     "writable, or keep none (--max-stored-responses 0)") from None
             for p in files:
-                self._ids[p.stem] = None
+                self._add(p.stem, None, p.stat().st_size)
             self._trim()
 
     @property
@@ -82,18 +87,23 @@ class ResponseStore:
         if self.limit == 0:
             return
         record = {"version": VERSION, "id": rid, **record}
+        data = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        if len(data) > self.max_bytes:
+            log.warning("response %s is not stored: %d bytes, over the %d stored responses may take", rid, len(data),
+                        self.max_bytes)
+            return
         if self.directory is not None:
             path = self._path(rid)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:
-                tmp.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+                tmp.write_bytes(data)
                 os.replace(tmp, path)
             except OSError as e:  # a full disk: this response is not kept; the server serves on
                 log.warning("could not store response %s (%s)", rid, e.strerror or e)
                 tmp.unlink(missing_ok=True)
                 return
-        self._ids.pop(rid, None)
-        self._ids[rid] = None if self.directory is not None else record
+        self._forget(rid)
+        self._add(rid, None if self.directory is not None else record, len(data))
         self._trim()
 
     def get(self, rid: str) -> dict | None:
@@ -102,13 +112,19 @@ class ResponseStore:
             return None
         if rid not in self._ids:
             # another server on the same directory may have stored it since this one started
-            if self.directory is None or self.limit == 0 or not self._path(rid).is_file():
+            try:
+                size = self._path(rid).stat().st_size if self.directory is not None and self.limit else None
+            except OSError:
+                size = None
+            if size is None:
                 return None
-            self._ids[rid] = None
+            self._add(rid, None, size)
             self._trim()
+            if rid not in self._ids:
+                return None
         record = self._ids.get(rid) if self.directory is None else self._read(rid)
         if record is None:
-            self._ids.pop(rid, None)
+            self._forget(rid)
         return record
 
     def delete(self, rid: str) -> bool:
@@ -116,7 +132,7 @@ class ResponseStore:
         if not ID.fullmatch(rid):
             return False
         known = rid in self._ids
-        self._ids.pop(rid, None)
+        self._forget(rid)
         if self.directory is None or self.limit == 0:
             return known
         path = self._path(rid)
@@ -136,9 +152,19 @@ class ResponseStore:
             return None
         return record
 
+    def _add(self, rid: str, record: dict | None, size: int) -> None:
+        self._ids[rid] = record
+        self._sizes[rid] = size
+        self.bytes += size
+
+    def _forget(self, rid: str) -> None:
+        self._ids.pop(rid, None)
+        self.bytes -= self._sizes.pop(rid, 0)
+
     def _trim(self) -> None:
-        while len(self._ids) > self.limit:
-            rid, _ = self._ids.popitem(last=False)
+        while len(self._ids) > self.limit or self.bytes > self.max_bytes:
+            rid = next(iter(self._ids))
+            self._forget(rid)
             if self.directory is not None:
                 self._path(rid).unlink(missing_ok=True)
 
