@@ -283,3 +283,19 @@ def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkey
     engine.spec_decoder.drafter.min_joint = 0.0  # a random draft is never sure: let it draft
     out = run(engine, [(0, fm["prompts"][0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), "r")])
     assert out["r"].token_ids == fm["want"][0] and out["r"].metrics.draft_tokens > 0
+
+
+def test_the_drafter_s_memory_is_counted_once(fm):
+    """kv_stats' draft_bytes (what the server's --models-memory counts): the draft's own layer, its
+    head's kept rows and its KV pool, but not the target's embedding, which it only reads."""
+    from mlx.utils import tree_flatten
+
+    engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=18,
+                       draft=str(fm["draft"]))
+    d: FeatureDrafter = engine.spec_decoder.drafter
+    embed = fm["model"].model.embed_tokens.weight
+    own = sum(v.nbytes for _, v in tree_flatten(d.draft.parameters()) if v is not embed)
+    assert any(v is embed for _, v in tree_flatten(d.draft.parameters()))  # it shares the target's embedding
+    assert engine.kv_stats()["draft_bytes"] == own + d.draft.head.weight.nbytes + d.runner.kv_bytes > 0
+    plain = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=18)
+    assert plain.kv_stats()["draft_bytes"] == 0

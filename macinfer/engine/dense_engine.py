@@ -222,7 +222,7 @@ class DenseEngine(RequestTable):
             "num_blocks": None, "block_size": None, "used_blocks": None, "free_blocks": None,
             "capacity_tokens": None, "usage": None,
             "live_tokens": live,
-            "reserved_bytes": nbytes, "live_bytes": nbytes, "pool_bytes": nbytes,
+            "reserved_bytes": nbytes, "live_bytes": nbytes, "pool_bytes": nbytes, "draft_bytes": None,
             "running": len(running), "waiting": len(self.scheduler.waiting),
         }
 

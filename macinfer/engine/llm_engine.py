@@ -63,6 +63,7 @@ from macinfer.kv.paged_attention import paged_attention
 from macinfer.modelio.multimodal import MultiModalInputs
 from macinfer.prefix_cache.keys import model_identity, prefix_cache_stats
 from macinfer.spec_decode.decoder import verify_rows
+from macinfer.spec_decode.drafter import drafter_bytes
 from macinfer.spec_decode.speculator import check_exact, make_spec_decoder
 from macinfer.units import fmt_bytes
 
@@ -120,6 +121,8 @@ class LLMEngine(RequestTable):
         self.spec_decoder, self.draft_choice = make_spec_decoder(config, model, tokenizer, info, num_blocks, bs)
         if self.spec_decoder is not None:
             check_exact(self.spec_decoder.drafter, states, model_type)
+        # What the drafter holds beyond the model (its weights, its KV pool): fixed once built.
+        self.draft_bytes = drafter_bytes(self.spec_decoder.drafter, model) if self.spec_decoder is not None else 0
         self.state_pool = StatePool(self.max_num_seqs, self.specs.bytes_per_slot) if states else None
 
         # 3. The runner: the KV pools and the model's forwards.
@@ -207,6 +210,7 @@ class LLMEngine(RequestTable):
             "reserved_bytes": used * self.bytes_per_block,
             "live_bytes": live * self.bytes_per_token,
             "pool_bytes": self.runner.kv_bytes,
+            "draft_bytes": self.draft_bytes,
             "usage": pool.usage,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

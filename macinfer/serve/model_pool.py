@@ -309,8 +309,9 @@ class ModelPool:
 
 
 def _nbytes(m: ServedModel) -> int:
-    """A loaded model's weights and KV pool."""
-    return m.llm.info.weight_bytes + int(m.llm.engine.kv_stats().get("pool_bytes") or 0)
+    """A loaded model's weights and KV pool, and its drafter's (weights and KV pool) if it has one."""
+    stats = m.llm.engine.kv_stats()
+    return m.llm.info.weight_bytes + int(stats.get("pool_bytes") or 0) + int(stats.get("draft_bytes") or 0)
 
 
 def _free(engine: AsyncEngine) -> None:

@@ -97,6 +97,26 @@ def pick_kept(seq: Sequence, sub: mx.array, head):
     return draft_pick(seq, head.expand(sub))
 
 
+def module_bytes(module, shared: set[int]) -> int:
+    """Bytes of a module's arrays, leaving out those in `shared` (ids of the target's own arrays:
+    a draft that reads the target's embedding holds no copy of it)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()) if id(v) not in shared)
+
+
+def drafter_bytes(drafter, target_model) -> int:
+    """What a drafter holds beyond the target: its own weights and its KV pool (0 for lookup).
+
+    A drafter reports it by `nbytes(shared)`; one without that method (a test's scripted one) holds nothing."""
+    from mlx.utils import tree_flatten
+
+    nbytes = getattr(drafter, "nbytes", None)
+    if nbytes is None:
+        return 0
+    return nbytes({id(v) for _, v in tree_flatten(target_model.parameters())})
+
+
 class NgramDrafter:
     """Prompt-lookup drafting from the sequence's own tokens.
 
@@ -247,6 +267,10 @@ class LookupDrafter:
         self.ngram.remove(request_id)
         self.model.remove(request_id)
 
+    def nbytes(self, shared: set[int]) -> int:
+        nbytes = getattr(self.model, "nbytes", None)
+        return nbytes(shared) if nbytes is not None else 0
+
 
 class _DraftSeq:
     """The draft model's view of one request (duck-types Sequence for BlockPool and ModelRunner)."""
@@ -289,6 +313,10 @@ class DraftModelDrafter:
 
     def available(self, seq: Sequence, k: int) -> int:
         return k
+
+    def nbytes(self, shared: set[int]) -> int:
+        """The draft's weights (not the target's, where it shares them) and its KV pool."""
+        return module_bytes(self.model, shared) + self.runner.kv_bytes
 
     def _sync(self, seq: Sequence) -> _DraftSeq:
         """Bring the draft's tokens in line with the target's; roll back what diverged."""

@@ -42,7 +42,7 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.core.model_runner import ModelRunner
 from macinfer.kv.model_probe import inspect_model
-from macinfer.spec_decode.drafter import STEADY_TOKENS, pick_kept
+from macinfer.spec_decode.drafter import STEADY_TOKENS, module_bytes, pick_kept
 from macinfer.errors import MacinferError
 from macinfer.core.sequence import Sequence
 
@@ -244,6 +244,12 @@ class FeatureDrafter:
     # -- drafting -------------------------------------------------------------------------
     def available(self, seq: Sequence, k: int) -> int:
         return k
+
+    def nbytes(self, shared: set[int]) -> int:
+        """The draft's weights (not the target's embedding it reads), its head's kept rows, its KV pool."""
+        head = getattr(getattr(self.draft, "head", None), "weight", None)  # a SubsetHead's copy: not a parameter
+        head_bytes = head.nbytes if isinstance(head, mx.array) and id(head) not in shared else 0
+        return module_bytes(self.draft, shared) + head_bytes + self.runner.kv_bytes
 
     def _sync(self, seq: Sequence):
         """Roll back last step's drafted rows; -> (state, features (L, D), tokens) of the rows to feed now."""
