@@ -40,6 +40,7 @@ from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from macinfer.core.block_pool import BlockPool
 from macinfer.core.model_runner import ModelRunner
@@ -100,8 +101,6 @@ def pick_kept(seq: Sequence, sub: mx.array, head):
 def module_bytes(module, shared: set[int]) -> int:
     """Bytes of a module's arrays, leaving out those in `shared` (ids of the target's own arrays:
     a draft that reads the target's embedding holds no copy of it)."""
-    from mlx.utils import tree_flatten
-
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()) if id(v) not in shared)
 
 
@@ -109,8 +108,6 @@ def drafter_bytes(drafter, target_model) -> int:
     """What a drafter holds beyond the target: its own weights and its KV pool (0 for lookup).
 
     A drafter reports it by `nbytes(shared)`; one without that method (a test's scripted one) holds nothing."""
-    from mlx.utils import tree_flatten
-
     nbytes = getattr(drafter, "nbytes", None)
     if nbytes is None:
         return 0
