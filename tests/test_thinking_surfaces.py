@@ -16,9 +16,9 @@ from functools import partial
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from families import build_family_model, write_o200k
+from families import build_family_model
 from oracle import mlx_lm_load, mlx_lm_server_reply
-from test_thinking import ANSWER, harmony_oracle
+from test_thinking import ANSWER, harmony_oracle, harmony_vocabulary  # noqa: F401  (autouse: o200k offline)
 from test_tui import SIZE, loaded, send, wait_for
 
 from macinfer.cli.main import _prepare, _stream, main
@@ -30,14 +30,6 @@ from macinfer.tui.widgets.transcript import Reply, Thought
 
 PROMPT = "Why is the sky blue?"
 TEMP = 1.5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def harmony_vocabulary(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(write_o200k(tmp_path_factory.mktemp("tiktoken")).parent))
-    yield
-    mp.undo()
 
 
 @pytest.fixture

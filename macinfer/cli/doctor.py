@@ -106,17 +106,6 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _os_name() -> str:
     if platform.system() == "Darwin":
         return f"macOS {platform.mac_ver()[0]}"
@@ -131,7 +120,7 @@ def check_system(ctx):
     cores = bandwidth.gpu_core_count()
     mem = _memory_bytes()
     figures = {
-        "chip": chip or _cpu_name(), "apple_silicon": chip is not None, "gpu_cores": cores,
+        "chip": chip or bandwidth.cpu_model(), "apple_silicon": chip is not None, "gpu_cores": cores,
         "memory_bytes": mem, "os": _os_name(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }

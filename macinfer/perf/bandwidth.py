@@ -198,7 +198,8 @@ def _machine_id() -> str:
     return ""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo's model name, else the Apple chip, else what platform says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -206,7 +207,7 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return apple_chip() or platform.processor()
+    return apple_chip() or platform.processor() or platform.machine()
 
 
 def machine_key() -> str:
@@ -215,7 +216,7 @@ def machine_key() -> str:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = 0
-    parts = [PROBE_METHOD, platform.node(), _machine_id(), platform.machine(), _cpu_model(), str(probe_threads()),
+    parts = [PROBE_METHOD, platform.node(), _machine_id(), platform.machine(), cpu_model(), str(probe_threads()),
              str(memory)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
