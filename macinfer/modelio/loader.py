@@ -158,11 +158,14 @@ def resolve(spec: str | None, progress=None) -> tuple[str, Path]:
     raise MacinferError(f"no such model '{spec}': not a path, a catalog name ({names}) or a Hugging Face repo id")
 
 
-def _cast_for_cpu(model) -> None:
-    """Cast half-precision parameters to float32 where there is no Metal."""
+def cast_for_cpu(model) -> None:
+    """Cast half-precision parameters to float32 where there is no Metal (MLX's CPU backend has no
+    fast half-precision matmul); on Metal, nothing."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
+    if mx.metal.is_available():
+        return
     half = (mx.float16, mx.bfloat16)
     params = tree_flatten(model.parameters())
     cast = [(k, v.astype(mx.float32)) for k, v in params if v.dtype in half]
@@ -320,10 +323,9 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     by_host = dequantize is None
     if by_host:
         dequantize = dequantize_by_default(get_total_parameters(model), quantized is not None)
-    if not mx.metal.is_available():
-        # NOTE: before dequantising: float16 scales times 8-bit codes need more than float16's
-        # 11 bits, so dequantising first would round the weights (GGUF's Q8_0, Q4_1 ...).
-        _cast_for_cpu(model)
+    # NOTE: before dequantising: float16 scales times 8-bit codes need more than float16's
+    # 11 bits, so dequantising first would round the weights (GGUF's Q8_0, Q4_1 ...).
+    cast_for_cpu(model)
     if dequantize and quantized:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}

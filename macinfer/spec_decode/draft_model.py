@@ -32,7 +32,7 @@ from pathlib import Path
 from macinfer.errors import MacinferError
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.modelio.hub import draft_snapshot, fetch_draft
-from macinfer.modelio.loader import REPO_ID, load_model
+from macinfer.modelio.loader import REPO_ID, cast_for_cpu, load_model
 from macinfer.paths import models_dir
 from macinfer.spec_decode.eagle3 import is_eagle3, load_eagle3
 from macinfer.spec_decode.feature_draft import is_feature_draft, load_feature_draft
@@ -52,18 +52,6 @@ def tokenizer_vocab(tokenizer) -> dict:
         return tokenizer.get_vocab()
     except Exception as e:  # pragma: no cover - exotic tokenizers
         raise MacinferError(f"cannot read the tokenizer vocabulary ({type(e).__name__})") from None
-
-
-def _cast_for_cpu(model) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    if mx.metal.is_available():
-        return
-    half = (mx.float16, mx.bfloat16)
-    cast = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters()) if v.dtype in half]
-    if cast:
-        model.update(tree_unflatten(cast))
 
 
 def _resolve(spec_or_path) -> Path | None:
@@ -152,7 +140,7 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
     elif head is not None:
         draft.args.tie_word_embeddings = False
         draft.lm_head = head
-    _cast_for_cpu(draft)
+    cast_for_cpu(draft)
     if head_vocab:  # after the cast: the copied rows come out of the (possibly float16) embedding
         draft.args.tie_word_embeddings = False
         # Not an nn.Module: it stays a plain attribute, outside draft.parameters().

@@ -27,7 +27,6 @@ evaluated with that forward's hidden states, of whose graph they are part.
 
 from __future__ import annotations
 
-import json
 import weakref
 from pathlib import Path
 
@@ -36,6 +35,8 @@ import mlx.nn as nn
 
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.errors import MacinferError
+from macinfer.modelio.loader import cast_for_cpu
+from macinfer.modelio.model_files import read_config
 
 # What each tapped layer instance records into: id(layer) -> [(weak reference to a LayerTaps, layer
 # index)]. Weak: a draft's taps go with its engine (the drafter holds them), not with the model.
@@ -174,14 +175,6 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(fhat))  # (B, draft vocabulary)
 
 
-def read_config(path: Path) -> dict | None:
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def is_eagle3(path: Path) -> bool:
     """Whether a directory holds an EAGLE-3 draft in either published layout."""
     cfg = read_config(path)
@@ -312,12 +305,6 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
         draft.load_weights([(k, v) for k, v in w.items() if k in want], strict=False)
     except ValueError as e:
         raise MacinferError(f"draft {name}: its weights do not fit its config ({' '.join(str(e).split())[:160]})") from None
-    if not mx.metal.is_available():
-        from mlx.utils import tree_unflatten
-
-        half = (mx.float16, mx.bfloat16)
-        cast = [(k, v.astype(mx.float32)) for k, v in tree_flatten(draft.parameters()) if v.dtype in half]
-        if cast:
-            draft.update(tree_unflatten(cast))
+    cast_for_cpu(draft)
     mx.eval(draft.parameters())
     return draft

@@ -35,6 +35,7 @@ import mlx.nn as nn
 
 from macinfer.core.lm_head import embedding_and_head
 from macinfer.errors import MacinferError
+from macinfer.modelio.loader import cast_for_cpu
 from macinfer.modelio.model_files import safetensors_header, weight_files
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -293,18 +294,6 @@ def load_mtp(target, path: Path, config: dict, name: str = "model") -> MTPDraft:
         draft.load_weights([(k, v) for k, v in top.items()], strict=False)
     except ValueError as e:
         raise MacinferError(f"{name}: its MTP weights do not fit ({' '.join(str(e).split())[:160]})") from None
-    _cast_for_cpu(draft)
+    cast_for_cpu(draft)
     mx.eval(draft.parameters())
     return draft
-
-
-def _cast_for_cpu(draft: nn.Module) -> None:
-    """Half-precision draft weights to float32 where there is no Metal (as the target's were cast)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    if mx.metal.is_available():
-        return
-    half = (mx.float16, mx.bfloat16)
-    cast = [(k, v.astype(mx.float32)) for k, v in tree_flatten(draft.parameters()) if v.dtype in half]
-    if cast:
-        draft.update(tree_unflatten(cast))
