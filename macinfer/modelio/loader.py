@@ -13,7 +13,9 @@ each tensor type became (kept exactly, or re-quantised and by how much) is print
 Loading itself is mlx-lm's (`load_model`, `load_tokenizer`), so every architecture
 mlx-lm knows loads here. On hosts without Metal, float16/bfloat16 parameters
 (quantisation scales included) are cast to float32: the CPU backend emulates
-half precision and is ~40x slower with it (docs/platform.md).
+half precision and is ~40x slower with it (docs/platform.md); their float linear layers compute
+2-4 rows (a verify step, a small batch) in the form that is faster there
+(macinfer.modelio.cpu_linear).
 """
 
 from __future__ import annotations
@@ -301,6 +303,8 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, get_total_parameters, load_model as mlx_load_model, load_tokenizer
 
+    from macinfer.modelio.cpu_linear import use_cpu_linears
+
     name, path = resolve(spec, progress)
     model_type = check_config(path, name)["model_type"]
     try:
@@ -331,6 +335,7 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if group is not None:
         parallel = shard_model(model, config, name, group, parallel)
+    use_cpu_linears(model)  # after dequantising and sharding: float nn.Linear layers only
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # transformers raises many kinds here
