@@ -106,6 +106,8 @@ def test_predicted_speedup_limits():
     assert predicted_speedup(linear, 0.0, 1, 10, 30, 12, 0) == pytest.approx(2.2 / 4)
     assert predicted_speedup(flat, 0.0, 1, 10, 30, 12, 22) == pytest.approx(44 / 32)  # half the tokens plain
     assert predicted_speedup(flat, 0.01, 1, 10, 30, 12, 0) < 2.2  # draft rounds cost time
+    # ... and so does running verify steps synchronously: 22 tokens in 10 x (50 + 5) ms
+    assert predicted_speedup(flat, 0.0, 1, 10, 30, 12, 0, sync_s=0.005) == pytest.approx(2.2 / 1.1)
     assert predicted_speedup(flat, 0.0, 1, 0, 0, 0, 20) is None
 
 

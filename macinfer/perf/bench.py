@@ -331,7 +331,8 @@ def draft_rows(plain: list[dict], drafted: list[dict], spec) -> list[dict]:
         if spec is not None and spec.step_cost.ready and n:
             predicted = predicted_speedup(spec.step_cost, spec.draft_round_seconds(), b["concurrency"], steps / n,
                                           sum(r["draft_tokens"] for r in runs) / n,
-                                          sum(r["accepted_tokens"] for r in runs) / n, plain_tokens / n)
+                                          sum(r["accepted_tokens"] for r in runs) / n, plain_tokens / n,
+                                          spec.step_cost.sync_penalty)
         measured = b["decode_tps_p50"] / a["decode_tps_p50"] if a["decode_tps_p50"] and b["decode_tps_p50"] else None
         drafted_n = sum(r["draft_tokens"] for r in runs)
         rows.append({"concurrency": b["concurrency"], "prompt_tokens": b["prompt_tokens"], "prefix": b["prefix"],

@@ -1,15 +1,25 @@
 """What a decode step costs: the time model SpecDecoder weighs drafts against.
 
-A step that computes `tokens` tokens (rows x width) takes A + b * tokens seconds. The
-decoder (macinfer.spec_decode.decoder) fits A and b on the decode-only steps it sees, and
-picks the number of drafts per row that maximises expected tokens per second.
+A step that computes `tokens` tokens (rows x width) takes A + b * tokens seconds, and c more
+if it runs synchronously (it drafts). The decoder (macinfer.spec_decode.decoder) fits A, b and c
+on the decode-only steps it sees, and picks the number of drafts per row that maximises expected
+tokens per second.
 """
 
 from __future__ import annotations
 
 
 class StepCost:
-    """Decode step time as A + b * tokens: a linear fit with forgetting, plus a prior.
+    """Decode step time as A + b * tokens, plus c for a synchronous step: a fit with forgetting, plus a prior.
+
+    A queued step (K = 0, the host's work overlapping the step in flight) and a synchronous one
+    (it drafts, so the host waits for the step before) differ by c, what queueing hides. Every step
+    that drafts is synchronous, so fitting one line through both kinds would charge c to the extra
+    tokens: measured on the dev CPU (float32 SmolLM2 + OpenBLAS, a feature draft), one line gave
+    9.9 ms per token where the verify forwards themselves took 48 / 54 / 59 ms for 1 / 2 / 3 tokens
+    (5.5 ms per token). So the fit is weighted least squares over (1, tokens, synchronous): c is
+    told apart from b by synchronous steps of different widths (or of one token: a feature draft
+    that declined), and held at 0 by a small ridge where nothing tells them apart.
 
     The prior (cost of a token = `prior_slope` x the first step measured) stands in
     until steps of different sizes have been measured; it is forgotten like any
@@ -21,19 +31,20 @@ class StepCost:
     ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
     """
 
-    # How fast each kind of step's offset from the fit follows new steps (see `observe`).
-    RESIDUAL_DECAY = 0.9
+    RIDGE = 0.05  # weight (in observations) holding c at 0 where the steps do not tell c from b; never forgotten
 
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
-        self.s = None  # weighted sums: w, x, y, xx, xy
-        # Mean offset from the fit of steps run synchronously (they draft) and queued ones.
-        self.residual = {True: 0.0, False: 0.0}
+        self.xx = None  # weighted sums of f f^T and f y over the features f = (1, tokens, synchronous)
+        self.xy = None
+        self._coef = (0.0, 0.0, 0.0)  # A, b, c as last solved
 
-    def _add(self, x: float, y: float, w: float) -> None:
-        s = self.s
-        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
-            s[i] += v
+    def _add(self, tokens: float, sync: bool, y: float, w: float) -> None:
+        f = (1.0, float(tokens), 1.0 if sync else 0.0)
+        for i in range(3):
+            self.xy[i] += w * f[i] * y
+            for j in range(3):
+                self.xx[i][j] += w * f[i] * f[j]
 
     def observe(self, tokens: int, seconds: float, sync: bool = False) -> None:
         """Add one measured decode step; older ones (and the prior) weigh `decay` times less.
@@ -42,59 +53,75 @@ class StepCost:
             tokens: the tokens the step computed (rows x width).
             seconds: its wall time, drafting excluded.
             sync: a synchronous step (one that drafts, or was planned to): nothing of the host's
-                work per step overlaps a step queued behind it, as it does for queued steps. The
-                two kinds' mean offsets from the one fit say what going synchronous costs.
+                work per step overlaps a step queued behind it, as it does for queued steps.
         """
-        if self.s is not None:
-            r = self.RESIDUAL_DECAY
-            self.residual[sync] = r * self.residual[sync] + (1 - r) * (seconds - self(tokens))
-        if self.s is None:
-            self.s = [0.0] * 5
+        if self.xx is None:
+            self.xx, self.xy = [[0.0] * 3 for _ in range(3)], [0.0] * 3
             # Prior: two points on the line through this one with the prior slope.
             base = seconds / (1 + self.prior_slope * (tokens - 1))
             for x in (1, 1 + 8 * max(1, tokens)):
-                self._add(x, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
-        self.s = [v * self.decay for v in self.s]
-        self._add(tokens, seconds, 1.0)
+                self._add(x, sync, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
+        self.xx = [[v * self.decay for v in row] for row in self.xx]
+        self.xy = [v * self.decay for v in self.xy]
+        self._add(tokens, sync, seconds, 1.0)
+        self._coef = self._solve()
+
+    def _solve(self) -> tuple[float, float, float]:
+        """(A, b, c) minimising the weighted squared error plus RIDGE * c^2; b, c >= 0 and A > 0."""
+        m = [row[:] + [y] for row, y in zip(self.xx, self.xy)]
+        m[2][2] += self.RIDGE
+        scale = max(m[0][0], 1e-12)
+        for col in range(3):  # Gauss-Jordan with partial pivoting on a 3 x 3 system
+            piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            if abs(m[piv][col]) <= 1e-9 * scale:  # steps of one size only: no slope to see
+                if col == 1:
+                    m[1] = [0.0, 1.0, 0.0, 0.0]  # b = 0, the other rows solved without it
+                    piv = 1
+                else:
+                    return self._coef
+            m[col], m[piv] = m[piv], m[col]
+            p = m[col][col]
+            m[col] = [v / p for v in m[col]]
+            for r in range(3):
+                if r != col and m[r][col]:
+                    f = m[r][col]
+                    m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+        a, b, c = (m[i][3] for i in range(3))
+        return max(a, 1e-6), max(b, 0.0), max(c, 0.0)
 
     @property
     def ready(self) -> bool:
-        return self.s is not None
+        return self.xx is not None
 
     def coeffs(self) -> tuple[float, float]:
         """The fit's coefficients (only once `ready`).
 
         Returns:
-            (A, b): fixed cost per step and cost per token, in seconds; b >= 0 and A > 0.
+            (A, b): fixed cost per queued step and cost per token, in seconds; b >= 0 and A > 0.
         """
-        w, x, y, xx, xy = self.s
-        den = w * xx - x * x
-        b = (w * xy - x * y) / den if den > 1e-9 * w * w else 0.0
-        b = max(b, 0.0)
-        a = max((y - b * x) / w, 1e-6)
-        return a, b
+        return self._coef[0], self._coef[1]
 
-    def __call__(self, tokens: int, sync: bool | None = None) -> float:
-        """A decode step's time for `tokens`; with `sync`, as that kind of step (synchronous or queued)."""
-        a, b = self.coeffs()
-        return a + b * tokens + (self.residual[sync] if sync is not None else 0.0)
+    def __call__(self, tokens: int) -> float:
+        """A queued decode step's time for `tokens` (a synchronous one costs `sync_penalty` more)."""
+        a, b, _ = self._coef
+        return a + b * tokens
 
     @property
     def sync_penalty(self) -> float:
         """What a synchronous step costs over a queued one of the same size (seconds, >= 0)."""
-        return max(0.0, self.residual[True] - self.residual[False])
+        return self._coef[2]
 
 
 def predicted_speedup(cost, round_s: float, rows: int, spec_steps: float, drafted: float, accepted: float,
-                      plain_tokens: float) -> float | None:
+                      plain_tokens: float, sync_s: float = 0.0) -> float | None:
     """The decode speed-up speculation should give, from what was drafted and the measured costs.
 
     A verify step of `rows` rows with k drafts each emits 1 + m tokens per row on average (m the
-    drafts accepted per step) and takes T(rows x (1 + k)) + k x D, against T(rows) for a plain step
-    (T: a decode step's measured time, `cost(tokens)`; D: one draft round, `round_s`). Steps that
-    drafted nothing cost T(rows) each:
+    drafts accepted per step) and takes T(rows x (1 + k)) + c + k x D, against T(rows) for a plain step
+    (T: a queued decode step's measured time, `cost(tokens)`; c: what running synchronously adds,
+    `sync_s` (StepCost.sync_penalty); D: one draft round, `round_s`). Steps that drafted nothing cost T(rows) each:
 
-        speed-up = T(B) x (plain + S (1 + m)) / (plain x T(B) + S (T(B (1 + k)) + k D))
+        speed-up = T(B) x (plain + S (1 + m)) / (plain x T(B) + S (T(B (1 + k)) + c + k D))
 
     with S the verify steps, plain the tokens of steps without drafts, per row. m and k come from
     the requests' own counts (accepted / S, drafted / S), so the model needs no acceptance rate
@@ -108,5 +135,5 @@ def predicted_speedup(cost, round_s: float, rows: int, spec_steps: float, drafte
     m, k = accepted / spec_steps, drafted / spec_steps
     t1 = cost(rows)
     tokens = plain_tokens + spec_steps * (1 + m)
-    seconds = plain_tokens * t1 + spec_steps * (cost(rows * (1 + k)) + k * round_s)
+    seconds = plain_tokens * t1 + spec_steps * (cost(rows * (1 + k)) + sync_s + k * round_s)
     return t1 * tokens / seconds
