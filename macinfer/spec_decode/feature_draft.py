@@ -192,11 +192,10 @@ class FeatureDrafter:
     has_model = True
     # Stop a chain where the chance it is all accepted falls below this: about what one more
     # verified token plus one more draft round cost, as a fraction of a decode step. Measured
-    # in the engine with float32 SmolLM2 on a 2-core x86 CPU (MLX's CPU backend): a 60-65 ms decode step;
-    # each verified draft adds 9-10 ms (OpenBLAS sgemm on 2 rows runs ~15% slower than its gemv
-    # on one, the 49k-row head included); a draft round costs ~4 ms. A lower cut for the first
-    # token alone (0.15: its round is paid either way) measured 1.19x against 1.23x over 12
-    # held-out prompts.
+    # in the engine with float32 SmolLM2 on a 2-core x86 CPU (MLX's CPU backend): a 45-48 ms decode
+    # step; each verified draft adds 5-7 ms (macinfer.modelio.cpu_linear; the 49k-row head ~1 ms of
+    # it); a draft round costs 3-5 ms. A lower cut for the first token alone (0.15: its round is
+    # paid either way) measured 1.19x against 1.23x over 12 held-out prompts.
     min_joint = 0.25
 
     def __init__(self, draft: FeatureDraft, num_blocks: int, block_size: int, name: str = "feature draft"):

@@ -1,16 +1,21 @@
-"""What a verify step costs here: one forward of the embedded model over 1, 2, 3, 5 and 9 new
+"""What a verify step costs here: one forward of the embedded model over 1, 2, 3, 4, 5 and 9 new
 tokens after a 100-token context (mlx-lm's own model and KV cache, no engine around it), the
 median of --reps each. Speculation pays only where T(1 + k) stays near T(1) (docs/speculation.md):
 on a Mac decode is memory bound and it does; on a CPU the extra tokens' compute shows.
 
+On the CPU backend the model's linear layers compute 2-4 rows as (W @ x.T).T
+(macinfer/modelio/cpu_linear.py); the second column times the same forwards with mlx's own
+nn.Linear (x @ W.T), the two measured in alternating rounds in one process (docs/platform.md#cpu-rows).
+
 Usage:
-    python scripts/bench/verify_cost.py            # ~30 s
-    python scripts/bench/verify_cost.py --reps 60
+    python scripts/bench/verify_cost.py            # ~1 min
+    python scripts/bench/verify_cost.py --reps 60 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import macinfer  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from macinfer.modelio.cpu_linear import CpuLinear  # noqa: E402
 from macinfer.modelio.loader import load_model  # noqa: E402
 
-WIDTHS = (1, 2, 3, 5, 9)
+WIDTHS = (1, 2, 3, 4, 5, 9)
 
 
 def forward_ms(model, cache, n: int, reps: int) -> float:
@@ -42,18 +49,34 @@ def forward_ms(model, cache, n: int, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the two forms (medians over them)")
     args = ap.parse_args()
     model, _, info = load_model(args.model)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) in (nn.Linear, CpuLinear)]
+    forms = {"as loaded": {type(m) for m in layers}, "nn.Linear": {nn.Linear}}
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(100, 200))]), cache=cache))
     forward_ms(model, cache, 1, 5)  # warm-up
-    base = forward_ms(model, cache, 1, args.reps)
-    print(f"{info.name} ({info.dtype if hasattr(info, 'dtype') else ''}), {mx.default_device()}: "
-          f"forward over 1 + k tokens after 100, median of {args.reps}")
+    loaded = [type(m) for m in layers]
+    ms = {form: {n: [] for n in WIDTHS} for form in forms}
+    for _ in range(args.rounds):
+        for form in forms:
+            for m, cls in zip(layers, loaded):
+                m.__class__ = cls if form == "as loaded" else nn.Linear
+            for n in WIDTHS:
+                ms[form][n].append(forward_ms(model, cache, n, args.reps))
+    kinds = ", ".join(sorted(c.__name__ for c in forms["as loaded"])) or "none"
+    print(f"{info.name}, {mx.default_device()}: forward over 1 + k tokens after 100, median of {args.reps} "
+          f"x {args.rounds} rounds; linear layers as loaded: {kinds}")
+    base = {form: statistics.median(ms[form][1]) for form in forms}
+    print("           as loaded            nn.Linear")
     for n in WIDTHS:
-        ms = base if n == 1 else forward_ms(model, cache, n, args.reps)
-        print(f"  1 + {n - 1}: {ms:6.1f} ms  ({ms / base:.2f}x one token)")
+        cols = []
+        for form in forms:
+            t = statistics.median(ms[form][n])
+            cols.append(f"{t:6.1f} ms ({t / base[form]:.2f}x)")
+        print(f"  1 + {n - 1}: " + "   ".join(cols))
 
 
 if __name__ == "__main__":
