@@ -8,8 +8,8 @@ On the CPU backend the model's linear layers compute 2-4 rows as (W @ x.T).T
 nn.Linear (x @ W.T), the two measured in alternating rounds in one process (docs/platform.md#cpu-rows).
 
 Usage:
-    python scripts/bench/verify_cost.py            # ~1 min
-    python scripts/bench/verify_cost.py --reps 60 --rounds 3
+    python scripts/bench/verify_cost.py            # ~1.5 min
+    python scripts/bench/verify_cost.py --reps 60 --rounds 5
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model (default: the embedded SmolLM2-135M)")
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the two forms (medians over them)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two forms (medians over them)")
     args = ap.parse_args()
     model, _, info = load_model(args.model)
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) in (nn.Linear, CpuLinear)]
