@@ -303,7 +303,7 @@ def load_model(spec: str | None = None, *, dequantize: bool | None = None, progr
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, get_total_parameters, load_model as mlx_load_model, load_tokenizer
 
-    from macinfer.modelio.cpu_linear import use_cpu_linears
+    from macinfer.modelio.cpu_linear import use_cpu_linears  # here, as mlx: importing the loader loads no mlx
 
     name, path = resolve(spec, progress)
     model_type = check_config(path, name)["model_type"]
