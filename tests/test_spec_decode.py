@@ -267,6 +267,11 @@ def test_step_cost_tells_the_synchronous_step_from_the_extra_tokens():
             cost.observe(n, 0.0375 + 0.0055 * n + (0.004 if sync else 0.0), sync=sync)
     assert cost(2) + cost.sync_penalty == pytest.approx(0.0375 + 2 * 0.0055 + 0.004, rel=2e-2)
     assert cost.sync_penalty < 0.002
+    # Steps of one size only show no slope: b is 0 and they are predicted as measured.
+    cost = StepCost(prior_weight=0.0)
+    for _ in range(5):
+        cost.observe(8, 0.160)
+    assert cost.coeffs() == pytest.approx((0.160, 0.0)) and cost.sync_penalty == 0.0
 
 
 def test_adaptive_k_charges_declined_asks_their_draft_round_only():
