@@ -53,20 +53,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two forms (medians over them)")
     args = ap.parse_args()
     model, _, info = load_model(args.model)
-    layers = [m for _, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) in (nn.Linear, CpuLinear)]
-    forms = {"as loaded": {type(m) for m in layers}, "nn.Linear": {nn.Linear}}
+    layers = [m for _, m in model.named_modules() if type(m) in (nn.Linear, CpuLinear)]
+    forms = {"as loaded": [type(m) for m in layers], "nn.Linear": [nn.Linear] * len(layers)}  # each layer's class
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(100, 200))]), cache=cache))
     forward_ms(model, cache, 1, 5)  # warm-up
-    loaded = [type(m) for m in layers]
     ms = {form: {n: [] for n in WIDTHS} for form in forms}
     for _ in range(args.rounds):
-        for form in forms:
-            for m, cls in zip(layers, loaded):
-                m.__class__ = cls if form == "as loaded" else nn.Linear
+        for form, classes in forms.items():
+            for m, cls in zip(layers, classes):
+                m.__class__ = cls
             for n in WIDTHS:
                 ms[form][n].append(forward_ms(model, cache, n, args.reps))
-    kinds = ", ".join(sorted(c.__name__ for c in forms["as loaded"])) or "none"
+    kinds = ", ".join(sorted({c.__name__ for c in forms["as loaded"]})) or "none"
     print(f"{info.name}, {mx.default_device()}: forward over 1 + k tokens after 100, median of {args.reps} "
           f"x {args.rounds} rounds; linear layers as loaded: {kinds}")
     base = {form: statistics.median(ms[form][1]) for form in forms}
