@@ -175,6 +175,15 @@ def cast_for_cpu(model) -> None:
         model.update(tree_unflatten(cast))
 
 
+def fit_for_cpu(model) -> None:
+    """A float model (or draft) as it runs fastest without Metal: half precision cast to float32
+    (`cast_for_cpu`), the float linear layers CpuLinear (macinfer.modelio.cpu_linear); on Metal, nothing."""
+    from macinfer.modelio.cpu_linear import use_cpu_linears  # here, as mlx: importing the loader loads no mlx
+
+    cast_for_cpu(model)
+    use_cpu_linears(model)
+
+
 def _describe_quant(config: dict) -> str:
     q = config.get("quantization") or config.get("quantization_config")
     if not q or "bits" not in q:

@@ -32,8 +32,7 @@ from pathlib import Path
 from macinfer.errors import MacinferError
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.modelio.hub import draft_snapshot, fetch_draft
-from macinfer.modelio.cpu_linear import use_cpu_linears
-from macinfer.modelio.loader import REPO_ID, cast_for_cpu, load_model
+from macinfer.modelio.loader import REPO_ID, fit_for_cpu, load_model
 from macinfer.paths import models_dir
 from macinfer.spec_decode.eagle3 import is_eagle3, load_eagle3
 from macinfer.spec_decode.feature_draft import is_feature_draft, load_feature_draft
@@ -141,8 +140,7 @@ def _load_embeddingless(path: Path, target_model, target_tokenizer, dequantize: 
     elif head is not None:
         draft.args.tie_word_embeddings = False
         draft.lm_head = head
-    cast_for_cpu(draft)
-    use_cpu_linears(draft)
+    fit_for_cpu(draft)
     if head_vocab:  # after the cast: the copied rows come out of the (possibly float16) embedding
         draft.args.tie_word_embeddings = False
         # Not an nn.Module: it stays a plain attribute, outside draft.parameters().

@@ -35,8 +35,7 @@ import mlx.nn as nn
 
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.errors import MacinferError
-from macinfer.modelio.cpu_linear import use_cpu_linears
-from macinfer.modelio.loader import cast_for_cpu
+from macinfer.modelio.loader import fit_for_cpu
 from macinfer.modelio.model_files import read_config
 
 # What each tapped layer instance records into: id(layer) -> [(weak reference to a LayerTaps, layer
@@ -306,7 +305,6 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
         draft.load_weights([(k, v) for k, v in w.items() if k in want], strict=False)
     except ValueError as e:
         raise MacinferError(f"draft {name}: its weights do not fit its config ({' '.join(str(e).split())[:160]})") from None
-    cast_for_cpu(draft)
-    use_cpu_linears(draft)
+    fit_for_cpu(draft)
     mx.eval(draft.parameters())
     return draft

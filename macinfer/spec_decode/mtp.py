@@ -35,8 +35,7 @@ import mlx.nn as nn
 
 from macinfer.core.lm_head import embedding_and_head
 from macinfer.errors import MacinferError
-from macinfer.modelio.cpu_linear import use_cpu_linears
-from macinfer.modelio.loader import cast_for_cpu
+from macinfer.modelio.loader import fit_for_cpu
 from macinfer.modelio.model_files import safetensors_header, weight_files
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -295,7 +294,6 @@ def load_mtp(target, path: Path, config: dict, name: str = "model") -> MTPDraft:
         draft.load_weights([(k, v) for k, v in top.items()], strict=False)
     except ValueError as e:
         raise MacinferError(f"{name}: its MTP weights do not fit ({' '.join(str(e).split())[:160]})") from None
-    cast_for_cpu(draft)
-    use_cpu_linears(draft)
+    fit_for_cpu(draft)
     mx.eval(draft.parameters())
     return draft
