@@ -79,3 +79,16 @@ def test_models_load_with_it_here():
     model, _, _ = load_model(None)
     kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kinds == {CpuLinear}
+
+
+def test_drafts_load_with_it_here():
+    """The shipped feature draft (one decoder layer and its fc) loads with CpuLinear layers too."""
+    from macinfer.modelio.loader import load_model
+    from macinfer.spec_decode.draft_model import load_draft
+
+    if mx.metal.is_available():
+        pytest.skip("Metal: the layers stay nn.Linear")
+    model, tok, _ = load_model(None)
+    draft = load_draft("smollm2-135m", model, tok)
+    kinds = {type(m) for _, m in draft.named_modules() if isinstance(m, nn.Linear)}
+    assert kinds == {CpuLinear}

@@ -42,6 +42,7 @@ from macinfer.core.block_pool import BlockPool
 from macinfer.core.lm_head import SubsetHead, embedding_and_head, embedding_rows_and_dim
 from macinfer.core.model_runner import ModelRunner
 from macinfer.kv.model_probe import inspect_model
+from macinfer.modelio.cpu_linear import use_cpu_linears
 from macinfer.spec_decode.drafter import STEADY_TOKENS, module_bytes, pick_kept
 from macinfer.errors import MacinferError
 from macinfer.core.sequence import Sequence
@@ -155,6 +156,7 @@ def load_feature_draft(path: Path, target_model) -> FeatureDraft:
     if missing or ids is None:
         raise MacinferError(f"draft {path.name} is incomplete ({missing[0] if missing else 'head ids'} missing): rebuild it")
     draft.load_weights(list(weights.items()), strict=False)
+    use_cpu_linears(draft)  # float32 already: only the layers' form for a few rows
     draft.model.embed_tokens = embed  # shared with the target, never copied
     draft.head = SubsetHead(embed, ids.astype(mx.int32), rows)  # a plain attribute: not a parameter
     if draft.head.weight.dtype != mx.float32 and not mx.metal.is_available():
