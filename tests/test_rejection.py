@@ -180,6 +180,70 @@ def test_ngram_offers_as_far_as_the_copy_has_held():
     assert nd.prior("ngram:3") > nd.prior("ngram:0")
 
 
+def _scan_match(tokens, k, min_n=2, max_n=4, max_match=32):
+    """Prompt lookup by scanning the whole list: what the index must find."""
+    L = len(tokens)
+    if k <= 0 or L <= min_n:
+        return [], 0
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hits = [s for s in range(L - n) if tokens[s: s + n] == tokens[L - n:]]
+        if hits:
+            hit, m = hits[-1], n
+            while m < max_match and hit - (m - n) > 0 and tokens[hit - (m - n) - 1] == tokens[L - m - 1]:
+                m += 1
+            return tokens[hit + n: hit + n + k], m
+    return [], 0
+
+
+def test_ngram_index_finds_what_a_scan_finds_as_the_tokens_grow():
+    """One index per request, fed each step's new tokens (1-4 at a time, as accepted drafts come),
+    gives the scan's answer at every length; a list that shrank or changed is indexed anew."""
+    import random
+
+    from macinfer.spec_decode.ngram_index import NgramIndex
+
+    rng = random.Random(0)
+    for trial in range(30):
+        vocab = rng.choice([3, 6, 20])  # small vocabularies repeat: matches of every length
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        index = NgramIndex(2, 4, max_match=rng.choice([5, 32]))
+        while len(tokens) < 120:
+            k = rng.randrange(0, 9)
+            assert index.match(tokens, k) == _scan_match(tokens, k, max_match=index.max_match), (trial, len(tokens))
+            tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+        cut = tokens[:50]  # shorter: reindexed
+        assert index.match(cut, 8) == _scan_match(cut, 8, max_match=index.max_match)
+        changed = cut[:-1] + [vocab]  # same length, last token new to the list
+        assert index.match(changed, 8) == _scan_match(changed, 8, max_match=index.max_match)
+
+
+def test_ngram_lookup_indexes_only_the_new_tokens_each_step():
+    """The drafter keeps each request's index: a step that appends one token adds one window per n,
+    however long the sequence (the scan it replaces read all of them every step)."""
+    from types import SimpleNamespace
+
+    nd = NgramDrafter()
+    tokens = [i % 50 for i in range(2000)]
+    seq = SimpleNamespace(request_id="r", token_ids=tokens, num_tokens=len(tokens))
+    assert nd.available(seq, 4) == 4
+    index = nd._index["r"]
+    stored = sum(len(t) for t in index.latest)
+    writes = []
+
+    class Counting(dict):
+        def __setitem__(self, key, value):
+            writes.append(key)
+            super().__setitem__(key, value)
+
+    index.latest = [Counting(t) for t in index.latest]
+    seq.token_ids = tokens + [0]  # the pattern goes on
+    seq.num_tokens = len(seq.token_ids)
+    assert nd.available(seq, 4) == 4 and nd._index["r"] is index
+    assert len(writes) == 3 and sum(len(t) for t in index.latest) == stored  # the 2-, 3- and 4-gram before it: seen before
+    nd.remove("r")
+    assert "r" not in nd._index and "r" not in nd._cache
+
+
 def test_acceptance_is_tracked_per_kind_of_draft():
     """A request's long n-gram matches keep their high rate while its short ones fail."""
     from macinfer.spec_decode.decoder import SpecDecoder

@@ -39,7 +39,6 @@ import time
 from typing import Protocol
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from macinfer.core.block_pool import BlockPool
@@ -47,6 +46,7 @@ from macinfer.core.model_runner import ModelRunner
 from macinfer.core.scheduler import ScheduledSequence
 from macinfer.core.sequence import Sequence
 from macinfer.kv.model_probe import inspect_model, supports_batched_offsets
+from macinfer.spec_decode.ngram_index import NgramIndex
 
 
 class Drafter(Protocol):
@@ -146,25 +146,11 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.max_match = max_n, min_n, max_match
         self._cache: dict[str, tuple[int, list[int], int]] = {}  # request_id -> (num_tokens, lookup, m)
+        self._index: dict[str, NgramIndex] = {}  # request_id -> its tokens' n-grams, kept up to date
 
     def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """(up to k tokens that followed the latest earlier match of the last n tokens, the match length m)."""
-        if k <= 0 or len(tokens) <= self.min_n:
-            return [], 0
-        arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. len-1-n: each has at least one token after it,
-            # and the suffix itself (starting at len-n) is excluded.
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-            if hits.size:
-                hit = int(hits[-1])
-                m = n  # extend the match backwards: tokens before the hit vs before the suffix
-                while m < self.max_match and hit - (m - n) > 0 and arr[hit - (m - n) - 1] == arr[len(arr) - m - 1]:
-                    m += 1
-                start = hit + n
-                return arr[start: start + k].tolist(), m
-        return [], 0
+        return NgramIndex(self.min_n, self.max_n, self.max_match).match(tokens, k)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The k tokens (or fewer) that followed the latest earlier match of the last n tokens."""
@@ -173,7 +159,10 @@ class NgramDrafter:
     def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         cached = self._cache.get(seq.request_id)
         if cached is None or cached[0] != seq.num_tokens:  # max_match tokens: no offer is longer than m
-            cached = (seq.num_tokens, *self.match(seq.token_ids, self.max_match))
+            index = self._index.get(seq.request_id)
+            if index is None:
+                index = self._index[seq.request_id] = NgramIndex(self.min_n, self.max_n, self.max_match)
+            cached = (seq.num_tokens, *index.match(seq.token_ids, self.max_match))
             self._cache[seq.request_id] = cached
         drafts, m = cached[1], cached[2]
         return drafts[: min(k, m)], m
@@ -200,6 +189,7 @@ class NgramDrafter:
 
     def remove(self, request_id: str) -> None:
         self._cache.pop(request_id, None)
+        self._index.pop(request_id, None)
 
 
 class LookupDrafter:
