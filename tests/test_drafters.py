@@ -364,6 +364,28 @@ def test_auto_picks_a_catalog_eagle3_draft_on_disk(root, env, tiny_models, capfd
             engine({**c, "draft": str(bad)})
 
 
+def test_an_eagle3_draft_that_fails_to_load_leaves_the_target_untapped(root):
+    """EAGLE-3 taps retype the target's layers for good; a draft refused for its weights (one missing,
+    one a llama layer does not have) must not leave them tapped."""
+    from macinfer.spec_decode.eagle3 import load_eagle3
+
+    c = build("eagle3-speculators", root)
+    model, _, _ = load_model(str(c["path"]))  # a target of its own: the engines of other tests tap theirs
+    before = [type(layer) for layer in model.model.layers]
+    for n, edit in enumerate((lambda w: w.pop(next(k for k in w if k.endswith("o_proj.weight"))),
+                              lambda w: w.__setitem__("layers.0.self_attn.q_norm.weight", mx.ones((8,))))):
+        bad = Path(shutil.copytree(c["draft"], root / f"eagle3-weights-{n}"))
+        w = dict(mx.load(str(bad / "model.safetensors")))
+        edit(w)
+        mx.save_safetensors(str(bad / "model.safetensors"), w, metadata={"format": "pt"})
+        with pytest.raises(MacinferError, match="incomplete" if n == 0 else "not supported"):
+            load_eagle3(bad, model)
+        assert [type(layer) for layer in model.model.layers] == before
+    draft = load_eagle3(Path(c["draft"]), model)  # one that loads taps the layers it reads
+    assert [i for i, layer in enumerate(model.model.layers) if type(layer) is not before[i]] == [0, 3, 6]
+    assert draft.features(model.model(mx.array([[1, 2, 3]]))).shape == (1, 3, draft.fc.weight.shape[0])
+
+
 def test_auto_picks_a_smaller_model_with_the_same_tokenizer(root, env):
     c = build("model-on-disk", root)
     small = Path(c["draft"])

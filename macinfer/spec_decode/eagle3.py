@@ -152,13 +152,13 @@ class Eagle3Draft(nn.Module):
     macinfer.spec_decode.feature_draft.FeatureDrafter."""
 
     def __init__(self, args, target_dim: int, draft_vocab: int, norm_before_residual: bool, embed_tokens,
-                 fc_bias: bool, taps: LayerTaps, vocab: SubsetHead | None = None):
+                 fc_bias: bool, num_taps: int, vocab: SubsetHead | None = None):
         super().__init__()
         self.model = Eagle3Body(args, norm_before_residual, embed_tokens)
-        self.fc = nn.Linear(len(taps.ids) * target_dim, args.hidden_size, bias=fc_bias)
+        self.fc = nn.Linear(num_taps * target_dim, args.hidden_size, bias=fc_bias)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, draft_vocab, bias=False)
-        self._taps = taps
+        self._taps: LayerTaps | None = None  # set by load_eagle3 once the weights are in (`features` reads them)
         self._vocab = vocab  # the draft vocabulary's target ids (SubsetHead.mapping), or None: the same
 
     body = property(lambda self: self.model)
@@ -292,8 +292,7 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
     d2t, t2d = w.pop("d2t", None), w.pop("t2d", None)
     del t2d  # the inverse map: d2t alone says where each draft token goes
     vocab_map = _vocab_map(d2t, draft_vocab, rows, name)
-    taps = LayerTaps(target_model, ids)
-    draft = Eagle3Draft(args, dim, draft_vocab, nbr, table, "fc.bias" in w, taps, vocab_map)
+    draft = Eagle3Draft(args, dim, draft_vocab, nbr, table, "fc.bias" in w, len(ids), vocab_map)
     want = {k for k, _ in tree_flatten(draft.parameters()) if "embed_tokens" not in k}
     missing, extra = sorted(want - w.keys()), sorted(w.keys() - want)
     if missing:
@@ -307,4 +306,6 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
         raise MacinferError(f"draft {name}: its weights do not fit its config ({' '.join(str(e).split())[:160]})") from None
     fit_for_cpu(draft)
     mx.eval(draft.parameters())
+    # Last: tapping retypes the target's layers for good, so only a draft that loaded may do it.
+    draft._taps = LayerTaps(target_model, ids)
     return draft
