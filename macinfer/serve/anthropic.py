@@ -42,11 +42,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
-def error_response(e: APIError) -> JSONResponse:
+def error_body(e: APIError) -> dict:
     """Anthropic's error body: {"type": "error", "error": {"type": "invalid_request_error", "message": ...}}."""
     kind = ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
-                        headers=e.headers)
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -373,9 +376,13 @@ class Messages:
         start = self._message(mid, gen, [], None, None, usage(None, len(gen.prompt_ids)))
         yield sse({"type": "message_start", "message": start})
         yield sse({"type": "ping"})
-        async for event in gen.events(watch_disconnect=False):
-            for e in blocks.add(event):
-                yield sse(e)
+        try:
+            async for event in gen.events(watch_disconnect=False):
+                for e in blocks.add(event):
+                    yield sse(e)
+        except APIError as e:  # the engine stopped mid-reply: Anthropic's error event (its client raises it)
+            yield sse(error_body(e))
+            return
         reason, sequence = stop_reason(gen, blocks.finish, req.stop_sequences)
         yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                    "usage": usage(blocks.finish, len(gen.prompt_ids))})

@@ -190,6 +190,10 @@ class Generation:
     async def events(self, watch_disconnect: bool = True) -> AsyncIterator[Any]:
         """The reply's events as the engine makes them; Finish last.
 
+        Raises:
+            APIError: 503, the engine stopped mid-reply (each protocol's stream ends with its own
+                error event then).
+
         Args:
             watch_disconnect: look for the client leaving between deltas (a non-streamed reply;
                 a streamed one is cancelled by its response when the client leaves).
@@ -201,8 +205,11 @@ class Generation:
                     yield event
                 if d.finish_reason is not None:
                     break
-                d = await (next_or_disconnect(self._stream, self.http) if watch_disconnect
-                           else self._stream.__anext__())
+                try:
+                    d = await (next_or_disconnect(self._stream, self.http) if watch_disconnect
+                               else self._stream.__anext__())
+                except EngineDeadError as e:  # mid-reply: the protocol says so in its own shape
+                    raise engine_stopped(e) from None
                 if d is None:
                     return
             self.output = d.output
@@ -221,13 +228,18 @@ async def _first_delta(stream, http: Request, grammar_field: str):
         return await next_or_disconnect(stream, http)
     except EngineDeadError as e:
         await stream.aclose()
-        raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+        raise engine_stopped(e) from None
     except InvalidGrammar as e:  # a schema admitting no reply, found when the engine compiled it
         await stream.aclose()
         raise APIError(400, f"{grammar_field}: {e}", grammar_field, "invalid_value") from None
     except (MacinferError, ValueError) as e:
         await stream.aclose()
         raise APIError(400, str(e), None, "invalid_request") from None
+
+
+def engine_stopped(e: EngineDeadError) -> APIError:
+    """The engine stopped before or during a reply: a 503 (a stream that started says it in its own events)."""
+    return APIError(503, str(e), None, "engine_unavailable", "server_error")
 
 
 def _encoded(llm, prompt: str, names: dict[str, str]) -> list[int]:

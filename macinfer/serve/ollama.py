@@ -346,10 +346,14 @@ class OllamaReplies:
         return reply.done(gen, whole=True)
 
     async def _ndjson(self, gen: Generation, reply: Reply, seconds):
-        async for event in gen.events(watch_disconnect=False):
-            body = reply.add(event)
-            if body is not None:
-                yield json.dumps(body, ensure_ascii=False) + "\n"
+        try:
+            async for event in gen.events(watch_disconnect=False):
+                body = reply.add(event)
+                if body is not None:
+                    yield json.dumps(body, ensure_ascii=False) + "\n"
+        except APIError as e:  # the engine stopped mid-reply: an error line, as Ollama ends a stream it cannot finish
+            yield json.dumps({"error": e.message}, ensure_ascii=False) + "\n"
+            return
         yield json.dumps(reply.done(gen, whole=False), ensure_ascii=False) + "\n"
         self.keep_alive.set(gen.model, seconds)
 

@@ -348,9 +348,15 @@ class Responses:
         start = response_object(rid, req, gen.model.name, created, None, stored)
         yield sse({"type": "response.created", "response": start})
         yield sse({"type": "response.in_progress", "response": start})
-        async for event in gen.events(watch_disconnect=False):
-            for e in items.add(event):
-                yield sse(e)
+        try:
+            async for event in gen.events(watch_disconnect=False):
+                for e in items.add(event):
+                    yield sse(e)
+        except APIError as e:  # the engine stopped mid-reply: failed, as OpenAI ends a response it could not finish
+            failed = response_object(rid, req, gen.model.name, created, None, False)
+            failed.update(status="failed", error={"code": "server_error", "message": e.message}, output=items.items)
+            yield sse({"type": "response.failed", "response": failed})
+            return
         body = response_object(rid, req, gen.model.name, created, items, stored)
         self._store(stored, body, conversation, items)
         yield sse({"type": "response.incomplete" if body["status"] == "incomplete" else "response.completed",

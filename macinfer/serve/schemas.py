@@ -37,9 +37,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers  # e.g. Retry-After on a 429
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 MAX_N = 16  # choices per request at most (each is a sequence of its own)

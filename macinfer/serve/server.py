@@ -46,7 +46,7 @@ from macinfer.chat.request import ChatRequest, ChatRequestError, PreparedChat, p
 from macinfer.serve import anthropic, ollama, ollama_models, responses
 from macinfer.serve.async_engine import AsyncEngine, EngineDeadError
 from macinfer.serve.choices import Choice
-from macinfer.serve.generation import check_queue, close_streams, next_or_disconnect
+from macinfer.serve.generation import check_queue, close_streams, engine_stopped, next_or_disconnect
 from macinfer.serve.guard import MAX_BODY_BYTES, add_error_handling, check_api_key
 from macinfer.serve.images import has_images, image_messages, request_messages
 from macinfer.errors import InvalidGrammar, MacinferError
@@ -213,7 +213,7 @@ class Server:
             firsts = [await next_or_disconnect(s, http) for s in streams]
         except EngineDeadError as e:
             await close_streams(streams)
-            raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+            raise engine_stopped(e) from None
         except InvalidGrammar as e:
             await close_streams(streams)
             field = _grammar_field(req)
@@ -234,7 +234,11 @@ class Server:
             d = first
             choice.add(d)
             while d.finish_reason is None:
-                d = await next_or_disconnect(stream, http)
+                try:
+                    d = await next_or_disconnect(stream, http)
+                except EngineDeadError as e:
+                    await close_streams(streams)
+                    raise engine_stopped(e) from None
                 if d is None:
                     await close_streams(streams)
                     return PlainTextResponse("", status_code=499)
@@ -260,10 +264,15 @@ class Server:
             if chat:
                 for c in choices:
                     yield chunk([c.first_chunk()])
-            async for i, d in deltas:
-                body = choices[i].add(d)
-                if body is not None:
-                    yield chunk([body])
+            try:
+                async for i, d in deltas:
+                    body = choices[i].add(d)
+                    if body is not None:
+                        yield chunk([body])
+            except EngineDeadError as e:  # mid-reply: an error chunk, as vLLM sends (the openai client raises it)
+                yield f"data: {json.dumps(engine_stopped(e).body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             outs = [c.output for c in choices]
             if include_usage:
                 yield chunk([], self._usage(choices))
