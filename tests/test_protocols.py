@@ -211,6 +211,37 @@ def test_stored_responses_are_bounded_in_bytes(tmp_path):
     assert again.get(f"resp_{9:032x}") is None and again.get(ids[3]) is not None
 
 
+def test_a_stored_response_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """The record's bytes are fsynced in the temporary file, then renamed: a crash or power loss
+    leaves the record whole or absent, never an empty file under its name."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        name = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((name.name, name.stat().st_size, (tmp_path / f"{rid}.json").exists()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rid = f"resp_{7:032x}"
+    ResponseStore(tmp_path).put(rid, {"response": {"n": 7}, "messages": []})
+    size = (tmp_path / f"{rid}.json").stat().st_size
+    assert synced == [(f".{rid}.json.{os.getpid()}.tmp", size, False)]
+
+
+def test_stored_responses_from_many_threads_keep_the_store_consistent(tmp_path):
+    """The server stores and reads records on worker threads: the index and its byte count stay exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = ResponseStore(tmp_path, limit=20)
+    ids = [f"resp_{i:032x}" for i in range(200)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda rid: (store.put(rid, {"response": {"id": rid}, "messages": []}), store.get(rid)), ids))
+    on_disk = sorted(p.stem for p in tmp_path.glob("resp_*.json"))
+    assert len(store) == 20 and sorted(store._ids) == on_disk
+    assert store.bytes == sum((tmp_path / f"{rid}.json").stat().st_size for rid in on_disk)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_structured_output_in_responses_and_anthropic(served, stream):
     url = served[0]

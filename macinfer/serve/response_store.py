@@ -9,8 +9,10 @@ Design choices:
 - A record is the response object as it was returned and the conversation it ends (the chat
   messages, its own output included, instructions excluded: OpenAI does not carry them over), so
   the next turn renders the same prompt again and its KV comes from the prefix cache.
-- One JSON file per response in `directory`, written atomically (a temporary file, then
-  os.replace) and checked when read back (its id and version): responses survive a restart.
+- One JSON file per response in `directory`, written atomically (a temporary file, fsynced, then
+  os.replace) and checked when read back (its id and version): responses survive a restart, and
+  a crash or power loss leaves a record whole or absent. The server calls the store from worker
+  threads (its disk work off the event loop); a lock keeps its index consistent.
   directory None keeps them in memory only, for this server's life.
 - At most `limit` records and `max_bytes` of them (their JSON, images included): storing one more
   drops the oldest (by when it was stored; on start, by the files' modification times) until both
@@ -21,10 +23,12 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -37,6 +41,15 @@ VERSION = 1
 MAX_STORED = 1000
 MAX_STORED_BYTES = 1_000_000_000
 ID = re.compile(r"resp_[0-9a-f]{16,64}")
+
+
+def _locked(method):
+    """The method under the store's lock (ResponseStore is called from several threads)."""
+    @functools.wraps(method)
+    def run(self, *args):
+        with self._lock:
+            return method(self, *args)
+    return run
 
 
 class ResponseStore:
@@ -60,6 +73,7 @@ class ResponseStore:
         self._ids: OrderedDict[str, dict | None] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes of each record in _ids; invariant: self.bytes is their sum
         self.bytes = 0
+        self._lock = threading.Lock()  # held by put, get and delete: their callers are threads
         if directory is not None and limit > 0:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
@@ -80,6 +94,7 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._ids)
 
+    @_locked
     def put(self, rid: str, record: dict) -> None:
         """Store `record` under `rid` (replacing an older one), then drop the oldest beyond the limit."""
         if not ID.fullmatch(rid):
@@ -96,7 +111,10 @@ class ResponseStore:
             path = self._path(rid)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:
-                tmp.write_bytes(data)
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())  # whole on disk before it takes the record's name
                 os.replace(tmp, path)
             except OSError as e:  # a full disk: this response is not kept; the server serves on
                 log.warning("could not store response %s (%s)", rid, e.strerror or e)
@@ -106,6 +124,7 @@ class ResponseStore:
         self._add(rid, None if self.directory is not None else record, len(data))
         self._trim()
 
+    @_locked
     def get(self, rid: str) -> dict | None:
         """The record stored under `rid`, or None (unknown, dropped, or its file unreadable)."""
         if not ID.fullmatch(rid):
@@ -127,6 +146,7 @@ class ResponseStore:
             self._forget(rid)
         return record
 
+    @_locked
     def delete(self, rid: str) -> bool:
         """Forget `rid`; whether it was stored."""
         if not ID.fullmatch(rid):

@@ -18,6 +18,7 @@ OpenAI's error body; a field is named as the Responses API names it (`max_output
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Literal
@@ -315,7 +316,7 @@ class Responses:
     async def create(self, req: ResponsesRequest, http: Request):
         check_known(req, self.server.lenient)
         check_supported(req)
-        conversation = self.previous(req) + input_messages(req.input)
+        conversation = await asyncio.to_thread(self.previous, req) + input_messages(req.input)
         chat = chat_request(req, conversation)
         gen = await Generation.start(self.server, http, req.model, ROUTE, chat=chat, sampling=sampling(req),
                                      names=NAMES)
@@ -334,7 +335,7 @@ class Responses:
         if gen.output is None:
             return PlainTextResponse("", status_code=499)
         body = response_object(rid, req, gen.model.name, created, items, stored)
-        self._store(stored, body, conversation, items)
+        await asyncio.to_thread(self._store, stored, body, conversation, items)
         return body
 
     async def _sse(self, gen: Generation, req, rid, created, items: OutputItems, stored, conversation):
@@ -358,12 +359,15 @@ class Responses:
             yield sse({"type": "response.failed", "response": failed})
             return
         body = response_object(rid, req, gen.model.name, created, items, stored)
-        self._store(stored, body, conversation, items)
+        await asyncio.to_thread(self._store, stored, body, conversation, items)
         yield sse({"type": "response.incomplete" if body["status"] == "incomplete" else "response.completed",
                    "response": body})
 
     def _store(self, stored: bool, body: dict, conversation: list[dict], items: OutputItems):
-        """Keep the response and its conversation (without the instructions: OpenAI does not carry them over)."""
+        """Keep the response and its conversation (without the instructions: OpenAI does not carry them over).
+
+        NOTE: the store's reads and writes (an fsync among them) run on worker threads, off the event loop.
+        """
         if stored:
             self.store.put(body["id"], {"response": body, "messages": conversation + [items.as_message()]})
 
@@ -388,9 +392,9 @@ def add_routes(app: FastAPI, server, store: ResponseStore) -> None:
         return await responses.create(body, request)
 
     @app.get("/v1/responses/{response_id}")
-    async def get(response_id: str):
+    def get(response_id: str):  # plain functions: FastAPI runs them on its thread pool (the store's disk reads)
         return responses.get(response_id)
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str):
+    def delete(response_id: str):
         return responses.delete(response_id)
