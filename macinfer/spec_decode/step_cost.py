@@ -21,7 +21,7 @@ class StepCost:
     told apart from b by synchronous steps of different widths (or of one token: a feature draft
     that declined), and held at 0 by a small ridge where nothing tells them apart.
 
-    The prior (cost of a token = `prior_slope` x the first step measured) stands in
+    The prior on b (cost of a token = `prior_slope` x the first step measured) stands in
     until steps of different sizes have been measured; it is forgotten like any
     observation. It is optimistic on purpose: steps of one size (a batch that never
     drafts) cannot measure the slope, so a pessimistic prior would keep K at 0 and
@@ -29,6 +29,11 @@ class StepCost:
     drafted); an optimistic one gets drafting tried, and the verify steps it costs
     measure the real slope (float32 + OpenBLAS: 1 -> 8 tokens took 104 -> 160 ms,
     ~0.07 per token at first and flatter after; a quantised model on a CPU: ~1).
+    NOTE: the prior is a ridge on b (worth `prior_weight` steps one token apart), not points on
+    its line: points far apart pin the slope as hard as many steps would, c then takes up
+    what the verify steps' own slope disagrees with, and a large c keeps steps from drafting
+    (measured on the dev CPU with such points: b = 1.1-3.6 ms and c = 10-20 ms over a 64-token
+    reply whose steps cost 5.3 ms per token and 2.6 ms more synchronously).
     """
 
     RIDGE = 0.05  # weight (in observations) holding c at 0 where the steps do not tell c from b; never forgotten
@@ -57,10 +62,10 @@ class StepCost:
         """
         if self.xx is None:
             self.xx, self.xy = [[0.0] * 3 for _ in range(3)], [0.0] * 3
-            # Prior: two points on the line through this one with the prior slope.
+            # Prior: b = prior_slope x a one-token step's cost (this step's, by the prior's own slope).
             base = seconds / (1 + self.prior_slope * (tokens - 1))
-            for x in (1, 1 + 8 * max(1, tokens)):
-                self._add(x, sync, base * (1 + self.prior_slope * (x - 1)), self.prior_weight / 2)
+            self.xx[1][1] += self.prior_weight
+            self.xy[1] += self.prior_weight * self.prior_slope * base
         self.xx = [[v * self.decay for v in row] for row in self.xx]
         self.xy = [v * self.decay for v in self.xy]
         self._add(tokens, sync, seconds, 1.0)
