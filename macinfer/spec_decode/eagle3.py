@@ -158,7 +158,7 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(num_taps * target_dim, args.hidden_size, bias=fc_bias)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, draft_vocab, bias=False)
-        self._taps: LayerTaps | None = None  # set by load_eagle3 once the weights are in (`features` reads them)
+        self.taps: LayerTaps | None = None  # set by load_eagle3 once the weights are in (`features` reads them)
         self._vocab = vocab  # the draft vocabulary's target ids (SubsetHead.mapping), or None: the same
 
     body = property(lambda self: self.model)
@@ -166,7 +166,7 @@ class Eagle3Draft(nn.Module):
 
     def features(self, hidden: mx.array) -> mx.array:
         """The fused auxiliary states of the target's latest forward (its final `hidden` is not used)."""
-        return self.fc(self._taps.take().astype(self.fc.weight.dtype))
+        return self.fc(self.taps.take().astype(self.fc.weight.dtype))
 
     def __call__(self, tokens: mx.array, feats: mx.array, cache=None) -> mx.array:
         return self.model(tokens, cache, feats=feats)
@@ -307,5 +307,5 @@ def load_eagle3(path: Path, target_model, name: str | None = None) -> Eagle3Draf
     fit_for_cpu(draft)
     mx.eval(draft.parameters())
     # Last: tapping retypes the target's layers for good, so only a draft that loaded may do it.
-    draft._taps = LayerTaps(target_model, ids)
+    draft.taps = LayerTaps(target_model, ids)
     return draft
