@@ -190,13 +190,13 @@ class Generation:
     async def events(self, watch_disconnect: bool = True) -> AsyncIterator[Any]:
         """The reply's events as the engine makes them; Finish last.
 
-        Raises:
-            APIError: 503, the engine stopped mid-reply (each protocol's stream ends with its own
-                error event then).
-
         Args:
             watch_disconnect: look for the client leaving between deltas (a non-streamed reply;
                 a streamed one is cancelled by its response when the client leaves).
+
+        Raises:
+            APIError: 503, the engine stopped mid-reply (each protocol's stream ends with its own
+                error event then).
         """
         d = self._first
         try:
