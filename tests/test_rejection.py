@@ -226,7 +226,7 @@ def test_ngram_lookup_indexes_only_the_new_tokens_each_step():
     tokens = [i % 50 for i in range(2000)]
     seq = SimpleNamespace(request_id="r", token_ids=tokens, num_tokens=len(tokens))
     assert nd.available(seq, 4) == 4
-    index = nd._index["r"]
+    index = nd._cache["r"][0]
     stored = sum(len(t) for t in index.latest)
     writes = []
 
@@ -238,10 +238,10 @@ def test_ngram_lookup_indexes_only_the_new_tokens_each_step():
     index.latest = [Counting(t) for t in index.latest]
     seq.token_ids = tokens + [0]  # the pattern goes on
     seq.num_tokens = len(seq.token_ids)
-    assert nd.available(seq, 4) == 4 and nd._index["r"] is index
+    assert nd.available(seq, 4) == 4 and nd._cache["r"][0] is index
     assert len(writes) == 3 and sum(len(t) for t in index.latest) == stored  # the 2-, 3- and 4-gram before it: seen before
     nd.remove("r")
-    assert "r" not in nd._index and "r" not in nd._cache
+    assert "r" not in nd._cache
 
 
 def test_acceptance_is_tracked_per_kind_of_draft():

@@ -145,8 +145,8 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.max_match = max_n, min_n, max_match
-        self._cache: dict[str, tuple[int, list[int], int]] = {}  # request_id -> (num_tokens, lookup, m)
-        self._index: dict[str, NgramIndex] = {}  # request_id -> its tokens' n-grams, kept up to date
+        # request_id -> (its tokens' n-grams, the lookup and m when index.size tokens were indexed)
+        self._cache: dict[str, tuple[NgramIndex, list[int], int]] = {}
 
     def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """(up to k tokens that followed the latest earlier match of the last n tokens, the match length m)."""
@@ -158,13 +158,10 @@ class NgramDrafter:
 
     def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         cached = self._cache.get(seq.request_id)
-        if cached is None or cached[0] != seq.num_tokens:  # max_match tokens: no offer is longer than m
-            index = self._index.get(seq.request_id)
-            if index is None:
-                index = self._index[seq.request_id] = NgramIndex(self.min_n, self.max_n, self.max_match)
-            cached = (seq.num_tokens, *index.match(seq.token_ids, self.max_match))
-            self._cache[seq.request_id] = cached
-        drafts, m = cached[1], cached[2]
+        if cached is None or cached[0].size != seq.num_tokens:  # max_match tokens: no offer is longer than m
+            index = NgramIndex(self.min_n, self.max_n, self.max_match) if cached is None else cached[0]
+            cached = self._cache[seq.request_id] = (index, *index.match(seq.token_ids, self.max_match))
+        _, drafts, m = cached
         return drafts[: min(k, m)], m
 
     def match_length(self, seq: Sequence) -> int:
@@ -189,7 +186,6 @@ class NgramDrafter:
 
     def remove(self, request_id: str) -> None:
         self._cache.pop(request_id, None)
-        self._index.pop(request_id, None)
 
 
 class LookupDrafter:

@@ -57,5 +57,5 @@ class NgramIndex:
                 m = n  # extend the match backwards: tokens before the hit vs before the suffix
                 while m < self.max_match and hit - (m - n) > 0 and tokens[hit - (m - n) - 1] == tokens[L - m - 1]:
                     m += 1
-                return list(tokens[hit + n: hit + n + k]), m
+                return tokens[hit + n: hit + n + k], m
         return [], 0
