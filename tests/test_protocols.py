@@ -499,6 +499,43 @@ def test_ollama_delete_of_a_model_ls_lists_takes_it_off_the_list(tiny_models, tm
         assert repo + ":latest" not in [m.model for m in c.list().models]
 
 
+def test_ollama_delete_during_a_first_load_waits_for_it(tiny_models, tmp_path, monkeypatch):
+    """A delete while a request's first load of the model reads its files: the load finishes and that
+    request is answered, then the model is unloaded and removed (its files were not taken from under
+    the load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_models_cli import add_hf_repo
+
+    from macinfer.serve.model_pool import local_models
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MACINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo, started, gate = "mlx-community/Tiny-Qwen", threading.Event(), threading.Event()
+    add_hf_repo(tmp_path / "hub", repo, tiny_models("qwen2"))
+    cached = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
+
+    def load(spec):
+        started.set()
+        assert gate.wait(60)
+        return LLM(spec, num_blocks=65)
+
+    app = create_app(LLM(str(tiny_models("llama")), num_blocks=65), model_name=MODEL,
+                     models=PoolOptions(discover=local_models, load=load))
+    with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
+        c = llama(url)
+        chat = pool.submit(c.chat, model=repo, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 3})
+        assert started.wait(60)
+        deleted = pool.submit(c.delete, repo)
+        time.sleep(1.0)
+        assert not deleted.done() and cached.is_dir()  # waiting for the load, files in place
+        gate.set()
+        assert chat.result(60).done and deleted.result(60).status == "success"
+        assert not cached.exists()
+        assert repo + ":latest" not in [m.model for m in c.list().models]
+
+
 def test_ollama_pull_delete_and_what_is_not_served(served):
     url = served[0]
     c = llama(url)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from macinfer.errors import MacinferError
-from macinfer.modelio.gguf_stores import find_stored
+from macinfer.modelio.gguf_stores import find_stored, hf_hub_cache
 from macinfer.modelio.model_files import check_config
 from macinfer.paths import cache_dir, models_dir
 
@@ -106,16 +106,18 @@ def _from_gguf(path: Path, progress, name: str | None = None, digest: str | None
 
 
 def _from_hub(repo: str) -> Path:
-    """Fetch a Hugging Face repo into the standard HF cache (with progress bars)."""
+    """Fetch a Hugging Face repo into the standard HF cache (with progress bars): the one `ls`, `pull`
+    and `rm` read, where the environment says now (huggingface_hub reads it once, at import)."""
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    where = {"allow_patterns": DEFAULT_ALLOW_PATTERNS, "cache_dir": str(hf_hub_cache())}
     try:
-        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS, local_files_only=True))
+        return Path(snapshot_download(repo, local_files_only=True, **where))
     except Exception:
         pass
     try:
-        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(repo, **where))
     except Exception as e:  # network, 404, auth: all end the same way for the user
         kind = type(e).__name__
         if "RepositoryNotFound" in kind or "404" in str(e):

@@ -274,12 +274,18 @@ class OllamaModels:
         yield json.dumps({"status": "success"}) + "\n"
 
     async def delete(self, req: ModelRequest):
-        """`macinfer rm`: a loaded model is unloaded first (never the default, which stays loaded)."""
+        """`macinfer rm`: a loaded model is unloaded first (never the default, which stays loaded); one
+        being loaded is let finish loading (the request that asked for it is served), then unloaded."""
         name = req.model[: -len(LATEST)] if req.model.endswith(LATEST) else req.model
         m = self.pool.find(name)
         if m is not None and m.pinned:
             raise APIError(400, f"'{name}' is this server's default model, which stays loaded: stop the server to "
                                 "remove it", "model")
+        while m is not None and m.loading is not None:  # its files are being read: not removed under the load
+            try:
+                await asyncio.shield(m.loading)
+            except APIError:  # the load failed: its requests have their 503, the files can go
+                pass
         if m is not None and m.loaded:
             await self.pool.unload(m)
         try:
