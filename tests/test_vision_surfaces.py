@@ -250,6 +250,40 @@ def test_each_protocol_refuses_images_for_a_model_that_does_not_see(served):
                                                         "options": {"num_predict": 2}}).json()["done"]
 
 
+def test_anthropic_tool_result_images_reach_the_model(vision, served):
+    """An agent's tool returns an image (Claude Code reading a picture, a screenshot): the model sees it,
+    as it sees the same image sent in the user turn right after the tool result (whose answer is
+    mlx-vlm's, above); a text-only model gets a 400."""
+    import anthropic
+
+    path, pics, *_ = vision
+    url, text_url = served
+    b64 = base64.b64encode(pics[0].read_bytes()).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
+    def turns(result: list, after: list) -> list:
+        return [{"role": "user", "content": "Describe fox.png"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read_file",
+                                                   "input": {"path": "fox.png"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result}] + after}]
+
+    a = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    ask = dict(model=MODEL, max_tokens=MAX_TOKENS, extra_body={"temperature": 0})
+    in_result = a.messages.create(messages=turns([{"type": "text", "text": "fox.png:"}, image], []), **ask)
+    after = a.messages.create(messages=turns([{"type": "text", "text": "fox.png:"}], [image]), **ask)
+    without = a.messages.create(messages=turns([{"type": "text", "text": "fox.png:"}], []), **ask)
+    def prompt_tokens(m) -> int:
+        return m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+    assert in_result.content == after.content and prompt_tokens(in_result) == prompt_tokens(after)
+    assert prompt_tokens(in_result) > prompt_tokens(without)  # the image's tokens are in the prompt
+    counted = a.messages.count_tokens(model=MODEL, messages=turns([image], [])).input_tokens
+    assert counted == a.messages.count_tokens(model=MODEL, messages=turns([], [image])).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic.Anthropic(base_url=text_url, api_key="unused", max_retries=0).messages.create(
+            **(ask | {"model": "tiny-text"}), messages=turns([{"type": "text", "text": "fox.png:"}, image], []))
+    assert "does not take images" in e.value.body["error"]["message"]
+
+
 def test_count_tokens_reads_a_remote_image_where_messages_would(vision, tmp_path):
     """With --allow-remote-images, count_tokens counts an image by URL as /v1/messages renders it:
     as many tokens as the same image sent as base64."""

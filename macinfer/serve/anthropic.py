@@ -128,6 +128,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts, calls, thought, results = [], [], [], []  # texts: text and image parts in chat's shape
+        shown = []  # the image parts of this message's tool results (a screenshot, a file read)
         for j, block in enumerate(m.content):
             kind, at = block.get("type"), f"{where}[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
@@ -141,7 +142,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
                               "function": {"name": _field(block, "name", at, str),
                                            "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
             elif kind == "tool_result" and m.role == "user":
-                text = _text(block.get("content"), f"{at}.content")
+                text = _text(block.get("content"), f"{at}.content", images=shown)
                 results.append({"role": "tool", "tool_call_id": _field(block, "tool_use_id", at, str),
                                 "content": f"Error: {text}" if block.get("is_error") else text})
             elif kind == "thinking" and m.role == "assistant":
@@ -150,6 +151,9 @@ def chat_messages(messages: list[Message]) -> list[dict]:
                 raise APIError(400, f"{at}.type {kind!r} is not supported in a {m.role} message", f"{at}.type",
                                "invalid_value")
         if m.role == "user":
+            # A tool result's images follow the results in a user turn of their own: a tool message holds
+            # text only in chat templates (and in the generic tool format, a JSON string).
+            texts = shown + texts
             out += results + ([{"role": "user", "content": _joined(texts)}] if texts or not results else [])
         else:
             message = {"role": "assistant", "content": _joined(texts)}
@@ -187,8 +191,9 @@ def _field(block: dict, key: str, where: str, kind: type):
     return value
 
 
-def _text(content, where: str) -> str:
-    """A string, or text blocks joined (a system prompt or a tool result: images are refused there)."""
+def _text(content, where: str, images: list | None = None) -> str:
+    """A string, or text blocks joined (a system prompt); with `images` (a tool result), image blocks
+    are appended there as image parts, else refused."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -196,8 +201,11 @@ def _text(content, where: str) -> str:
     texts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image" and images is not None:
+            images.append(image_part(_image_url(block, f"{where}[{j}]"), f"{where}[{j}]"))
+            continue
         if kind in ("image", "document"):
-            raise APIError(400, f"{where}[{j}]: {kind} blocks are taken in a user message's content only",
+            raise APIError(400, f"{where}[{j}]: {kind} blocks are taken in a user message or a tool result only",
                            f"{where}[{j}]")
         if kind != "text" or not isinstance(block.get("text"), str):
             raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got {kind!r}", f"{where}[{j}]")
