@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import mlx.core as mx
 import mlx_lm
@@ -19,6 +20,7 @@ import pytest
 from oracle import mlx_lm_greedy
 from test_spec_decode import TEXTS, run
 
+from macinfer.core.decode_graph import block_bucket
 from macinfer.spec_decode.draft_model import load_draft, save_draft
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.errors import MacinferError
@@ -116,6 +118,46 @@ def test_greedy_equals_mlx_lm(fm, script, async_scheduling):
     assert seen["late_base"] > 0  # a draft context that starts after a cached prefix
     if script:
         assert 0 < accepted < drafted
+    assert_all_free(engine)
+
+
+def test_verify_forwards_run_compiled_on_the_cpu_backend(fm, monkeypatch):
+    """On MLX's CPU backend a forward holding drafts is one compiled graph, traced once per shape
+    (DecodeGraph.verify_logits): mlx-lm's tokens, the draft fed what the eager forward computes (`checked`),
+    and a step that traced or checked the graph is not taken as what a step costs."""
+    from macinfer.core.decode_graph import DecodeGraph
+
+    check = DecodeGraph._check
+
+    def slow_check(self, *a):  # a first replay checked against the eager forward: slow, like a trace
+        time.sleep(0.5)
+        return check(self, *a)
+
+    monkeypatch.setattr(DecodeGraph, "_check", slow_check)
+    engine = LLMEngine(fm["model"], fm["tok"], None, max_model_len=256, block_size=4, num_blocks=60,
+                       draft=str(fm["draft"]), num_speculative_tokens=3, eval_thread=True)
+    graph = engine.runner.decode_graph
+    calls, built, observed = [], [], []  # verify forwards (rows, width, block bucket); graphs built; step costs
+    verify, traced, observe = graph.verify_logits, graph._traced, engine.spec_decoder.step_cost.observe
+
+    def spy(tables, starts, tokens, *a):
+        L = max(map(len, tokens))
+        calls.append((len(tokens), L, block_bucket(max(-(-(s + L) // 4) for s in starts))))
+        return verify(tables, starts, tokens, *a)
+
+    graph.verify_logits = spy
+    graph._traced = lambda keys, kind: built.append(kind) or traced(keys, kind)
+    engine.spec_decoder.step_cost.observe = lambda n, s, sync=False: observed.append(s) or observe(n, s, sync)
+    seen = checked(engine, fm, script=True)
+    engine.spec_decoder.adaptive = False  # draft every step: every width
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
+    for i, want in enumerate(fm["want"]):
+        assert out[f"r{i}"].token_ids == want, i
+    assert seen["round0"] > 20 and len(calls) >= 8 and max(L for _, L, _ in calls) > 2
+    assert graph.enabled and "hidden" in graph._checked  # its first replay equalled the eager forward bit for bit
+    assert built.count("hidden") == len(set(calls)) < len(calls)  # one graph per shape, not per step
+    assert observed and max(observed) < 0.4  # the checked step (0.5 s more) was left out
     assert_all_free(engine)
 
 

@@ -67,6 +67,7 @@ class ModelRunner:
         verifier: verifies a forward holding drafted tokens (macinfer.spec_decode.decoder.verify_rows):
             verifier(group, rows, logits (B, L, V)) -> [(row index, [num_accepted, tokens...])].
         compile_decode: launched decodes as compiled graphs (macinfer.core.decode_graph).
+        compile_verify: forwards holding drafts as compiled graphs, where few enough rows (the same).
         slot_of: models with state layers: seq -> its state slot (macinfer.core.state_pool.StatePool).
         images: a vision-language model's image encoder (macinfer.modelio.vision.ImageEncoder: `embed`,
             `embed_tokens`): prefill chunks over image tokens run on input embeddings. None: text only.
@@ -75,7 +76,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, specs: list[LayerSpec], num_blocks: int, block_size: int,
                  batch_decode: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None, *,
                  evaluator: StepEvaluator | None = None, attention_fn=None, fill_masks=None, hidden_sink=None,
-                 verifier=None, compile_decode: bool = False, slot_of=None, images=None):
+                 verifier=None, compile_decode: bool = False, compile_verify: bool = False, slot_of=None,
+                 images=None):
         self.model = model
         self.images = images
         self.block_size = block_size
@@ -104,18 +106,25 @@ class ModelRunner:
             install_shared_rope(model, specs[0].dtype, specs[0].k_head_dim)  # CPU backend: angles once per forward
         mx.eval([c.state for c in self.caches])
         self.hidden_sink = hidden_sink
-        self._body, self._head = split_head(model) if hidden_sink is not None else (None, None)
+        # The model split where its lm_head reads the final hidden states (a feature draft reads them too).
+        self.body, self.lm_head = split_head(model) if hidden_sink is not None else (None, None)
         # Arrays evaluated with each forward (see the NOTE in execute_model): the hidden states a feature
         # draft reads, the logits every rank evaluates across ranks (macinfer.engine.distributed).
         self._with_forward: list[mx.array] = []
         self.logprob_rows = LogprobRows()  # this step's logprobs, handed over with its tokens
         self.verifier = verifier
         self.fill_masks = fill_masks
-        self.decode_graph = DecodeGraph(self) if compile_decode else None
+        self.decode_graph = (DecodeGraph(self, decode=compile_decode, verify=compile_verify)
+                             if compile_decode or compile_verify else None)
+
+    @property
+    def num_setups(self) -> int:
+        """Compiled forwards so far that traced or were checked (a step with one took longer than its kind)."""
+        return 0 if self.decode_graph is None else self.decode_graph.num_setups
 
     def _hidden(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
         """The final hidden states (B, L, D) of a forward, reported to the sink."""
-        h = self._body(tokens, cache=self.caches)
+        h = self.body(tokens, cache=self.caches)
         self.hidden_sink(seqs, starts, counts, h)
         # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
         # still reads the pools, and a later write to them would then copy every pool.
@@ -178,6 +187,13 @@ class ModelRunner:
         the null block, its queries see only garbage that nobody reads.
         """
         counts = [len(t) for t in tokens]
+        graph = self.decode_graph
+        if all_logits and head is None and graph is not None and graph.verifies(len(tokens), max(counts)):
+            logits, h = graph.verify_logits(tables, starts, tokens, prompt_lens, self.hidden_sink is not None)
+            if h is not None:  # what _hidden does eagerly
+                self.hidden_sink(seqs, starts, counts, h)
+                self._with_forward.append(h)
+            return logits
         L = self.set_context(tables, starts, counts, prompt_lens)
         last = [n - 1 for n in counts]
         if self.states is not None:
@@ -191,7 +207,7 @@ class ModelRunner:
                 h = self._hidden(inputs, seqs, starts, counts)
             else:
                 h = self.model.model(inputs, cache=self.caches)
-            head = head or self._head
+            head = head or self.lm_head
             if all_logits:
                 return head(h)
             h = h[:, -1] if all(n == L - 1 for n in last) else h[mx.arange(len(tokens)), mx.array(last)]
@@ -304,7 +320,7 @@ class ModelRunner:
             self.states.bind(seqs, [1] * len(seqs), 1)
         if self.hidden_sink is None:
             return self.model(tokens.reshape(-1, 1), cache=self.caches)[:, -1, :]
-        return self._head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
+        return self.lm_head(self._hidden(tokens.reshape(-1, 1), seqs, starts, [1] * len(seqs))[:, -1, :])
 
     def launch_held(self, seqs: list, held: HeldRows, sampled: mx.array, into: LogprobRows) -> mx.array:
         """Sample a launched decode's held rows, now that each one's matcher has consumed its input id.

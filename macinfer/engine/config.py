@@ -53,8 +53,8 @@ class EngineConfig:
             None: where that is what lets them overlap (MLX without Metal, one process).
         compile_decode: run batched decode forwards as compiled graphs, traced once per shape
             (macinfer.core.decode_graph); None: on MLX's CPU backend in one process, for a small model
-            (each op's dispatch cost dominates its step). Outputs are the same either way (checked at
-            run time).
+            (each op's dispatch cost dominates its step), and there the verify forwards of speculative
+            decoding (a few rows) for any model. Outputs are the same either way (checked at run time).
         state_snapshot_memory: models with recurrent state layers, prefix cache on: what the
             recurrent-state snapshots at block boundaries may hold (macinfer.core.state_snapshots),
             bytes or "256MB", out of the KV budget. None: one per state slot (max_num_seqs), at

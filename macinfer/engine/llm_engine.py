@@ -64,6 +64,7 @@ from macinfer.modelio.multimodal import MultiModalInputs
 from macinfer.prefix_cache.keys import model_identity, prefix_cache_stats
 from macinfer.spec_decode.decoder import verify_rows
 from macinfer.spec_decode.drafter import drafter_bytes
+from macinfer.spec_decode.eagle3 import tapped
 from macinfer.spec_decode.speculator import check_exact, make_spec_decoder
 from macinfer.units import fmt_bytes
 
@@ -134,6 +135,8 @@ class LLMEngine(RequestTable):
             fill_masks=self.grammars.fill_masks, hidden_sink=self.spec_decoder.drafter.hidden_sink if self.spec_decoder else None,
             verifier=verify_rows if self.spec_decoder else None,
             compile_decode=_compiles_decode(config, ranks, model, cpu_lazy, evaluator.threaded),
+            compile_verify=self.spec_decoder is not None and _compiles_verify(config, ranks, model, cpu_lazy,
+                                                                              evaluator.threaded),
             slot_of=self.state_pool.slot_of if states else None, images=images,
             **({"ranks": ranks} if runner_cls is LeaderRunner else {}))
 
@@ -319,7 +322,7 @@ class LLMEngine(RequestTable):
 
     def _step(self) -> list[StreamDelta]:
         """The synchronous step."""
-        t0 = time.perf_counter()
+        t0, setups = time.perf_counter(), self.runner.num_setups
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)  # drafts for the decode rows
         out = self.scheduler.schedule()
@@ -329,7 +332,9 @@ class LLMEngine(RequestTable):
             for seq in out.finished:
                 self.spec_decoder.remove(seq.request_id)
             if out.scheduled:
-                self.spec_decoder.update_from_output(out.scheduled, sampled, time.perf_counter() - t0)
+                # A step that traced (a new shape) or checked a compiled forward says nothing about what steps cost.
+                took = time.perf_counter() - t0 if self.runner.num_setups == setups else None
+                self.spec_decoder.update_from_output(out.scheduled, sampled, took)
         return self.output.deltas(moved)
 
 
@@ -394,6 +399,16 @@ def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threade
     if config.compile_decode:
         return ranks is None and not forward_evaluates(model)
     return cpu_lazy and decode_graph_pays_off(model)
+
+
+def _compiles_verify(config: EngineConfig, ranks, model, cpu_lazy: bool, threaded: bool) -> bool:
+    """Forwards holding drafts as compiled graphs (DecodeGraph.verifies says which: a few narrow rows): as
+    decode forwards are (`_compiles_decode`), but for a model of any size, and never through tapped layers
+    (an EAGLE-3 draft's). A synchronous step waits for its forward's graph to be built; compiled, that
+    is one call, and the fused elementwise chains dispatch fewer ops."""
+    if config.compile_decode is False or not config.async_scheduling or not threaded or ranks is not None:
+        return False
+    return (bool(config.compile_decode) or cpu_lazy) and not forward_evaluates(model) and not tapped(model)
 
 
 def _hf_tokenizer(tokenizer):

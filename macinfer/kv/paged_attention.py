@@ -214,7 +214,7 @@ def paged_attention(
     lens = [int(c) for c in context_lens]
     memo = {} if memo is None else memo
     prompt = None if prompt_window is None or prompt_lens is None else (prompt_window, list(prompt_lens))
-    if queries.shape[0] == 1:
+    if queries.shape[0] == 1 and "tables" not in memo:  # a compiled forward's lone row: the batch path (host tables)
         table = block_tables[0] if not isinstance(block_tables, mx.array) else block_tables[0].tolist()
         k, v, mask = _one_row(queries, k_pool, v_pool, table, lens[0], block_size, window, chunk, prompt, memo)
     else:

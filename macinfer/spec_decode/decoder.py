@@ -373,13 +373,14 @@ class SpecDecoder:
                     d.tried = self.DECLINE_DECAY * d.tried + 1.0
         self._draft_s = time.perf_counter() - t0
 
-    def update_from_output(self, scheduled: list, sampled: list, step_seconds: float) -> None:
+    def update_from_output(self, scheduled: list, sampled: list, step_seconds: float | None) -> None:
         """After the step (its tokens appended by the scheduler): acceptance, metrics, the step's cost.
 
         Args:
             scheduled: the step's ScheduledSequences.
             sampled: what execute_model returned for each (a list of tokens for rows with drafts).
-            step_seconds: the whole step's wall time, drafting included.
+            step_seconds: the whole step's wall time, drafting included; None: not a measure of the
+                step's cost (it traced a compiled forward).
         """
         decode_only, width = True, 1
         for s, toks in zip(scheduled, sampled):
@@ -406,7 +407,7 @@ class SpecDecoder:
             if kind.startswith("ngram:"):
                 m.lookup_draft_tokens += k
                 m.lookup_accepted_tokens += accepted
-        if decode_only and scheduled:
+        if decode_only and scheduled and step_seconds is not None:
             self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6), sync=True)
 
     def remove(self, request_id: str) -> None:

@@ -85,6 +85,14 @@ def _tap(layer: nn.Module, taps: LayerTaps, index: int) -> None:
     found[:] = [(ref, i) for ref, i in found if ref() is not None] + [(weakref.ref(taps), index)]
 
 
+def tapped(model) -> bool:
+    """Whether a live LayerTaps records some of the model's layers (a forward through them cannot be
+    traced by mx.compile: the taps would keep the trace's placeholders)."""
+    lm = getattr(model, "language_model", model)
+    layers = getattr(getattr(lm, "model", None), "layers", None) or []
+    return any(ref() is not None for layer in layers for ref, _ in _TAPS.get(id(layer), ()))
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """vLLM's and the EAGLE-3 authors' choice: the inputs of layers 2, L // 2 and L - 3."""
     return [2, num_layers // 2, num_layers - 3]
