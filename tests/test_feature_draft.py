@@ -256,8 +256,16 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
         def spy(seqs, ks, propose=part.propose, key=key):
             rows[key] += len(seqs)
             propose(seqs, ks)
-            drafted[key] += sum(len(s.spec_token_ids) for s in seqs)
         part.propose = spy
+    propose = d.propose
+
+    def kept(seqs, ks, kinds=None):  # whose drafts each row kept (a short copy the model disputes: the model's)
+        propose(seqs, ks, kinds)
+        for i, s in enumerate(seqs):
+            drafted["lookup" if (kinds[i] if kinds else d.kind(s)).startswith("ngram:") else "model"] += len(
+                s.spec_token_ids)
+
+    d.propose = kept
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     out = run(engine, [(i, p, params, f"r{i}") for i, p in enumerate(fm["prompts"])])
     for i, w in enumerate(want):

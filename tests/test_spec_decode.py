@@ -494,3 +494,58 @@ def test_each_row_drafts_with_whichever_pays(models, good):
     assert out["r"].token_ids == m["want"][0]
     bad = "lookup" if good == "model" else "model"
     assert used[good] > 3 * max(used[bad], 1), used
+
+
+def test_a_short_copy_is_kept_where_the_model_begins_alike():
+    """LookupDrafter: a greedy row with a short match (< TRUST_MATCH) is drafted by the model too and keeps
+    the copy only where the model's first token agrees; otherwise it keeps the model's drafts and says so
+    in its kind. Who turned out right where they disagreed is counted, and while the copy wins, short
+    copies are not checked. Long matches and sampled rows keep the copy without asking the model."""
+    from macinfer.spec_decode.drafter import LookupDrafter
+
+    class Copy(NgramDrafter):  # a fixed match length and copy
+        length, copy = 5, [7, 8, 9]
+
+        def match_length(self, seq):
+            return self.length
+
+        def propose(self, seqs, num_draft):
+            for s, k in zip(seqs, num_draft):
+                s.spec_token_ids, s.spec_probs = self.copy[:k], None
+
+    class Model:  # drafts `first` then 1, 2, ...
+        name, has_model, hidden_sink, first = "model", True, None, 7
+
+        def __init__(self):
+            self.asked = 0
+
+        def propose(self, seqs, num_draft):
+            for s, k in zip(seqs, num_draft):
+                self.asked += 1
+                s.spec_token_ids, s.spec_probs = ([self.first] + list(range(1, k)))[:k], None
+
+        def remove(self, request_id):
+            pass
+
+    model, copy = Model(), Copy()
+    d = LookupDrafter(model, copy)
+    greedy = Sequence("g", [1, 2, 3], SamplingParams(max_tokens=8))
+
+    def draft(seq):
+        kinds = [copy.kind(seq)]
+        d.propose([seq], [3], kinds)
+        return seq.spec_token_ids, kinds[0]
+
+    assert draft(greedy) == ([7, 8, 9], "ngram:2") and model.asked == 1  # agreed: the copy
+    model.first = 4
+    assert draft(greedy) == ([4, 1, 2], "model") and model.asked == 2  # disputed: the model's drafts
+    greedy.append_token(7)  # the target chose the copy's token
+    wins = dict(d.wins)
+    copy.length = 9
+    assert draft(greedy) == ([7, 8, 9], "ngram:3") and model.asked == 2  # a long copy: not checked
+    assert d.wins == {"lookup": 0.9 * wins["lookup"] + 1, "model": 0.9 * wins["model"]}  # the dispute settled
+    sampled = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0))
+    copy.length = 5
+    assert draft(sampled) == ([7, 8, 9], "ngram:2") and model.asked == 2  # a sampled row: the copy
+    d.wins = {"lookup": 3.0, "model": 2.0}  # the copy has been right more often where they disagreed
+    assert draft(greedy) == ([7, 8, 9], "ngram:2") and model.asked == 2

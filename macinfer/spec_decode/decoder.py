@@ -357,7 +357,6 @@ class SpecDecoder:
                 self._plan_penalty = min(2 * self._plan_penalty, 64)
         self._draft_s = 0.0
         self._declined = set()
-        self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
         if K > 0:
             if getattr(self.drafter, "options", None) is not None:
                 self.drafter.propose(decodes, [min(K, o) for o in offers], kinds)
@@ -371,6 +370,8 @@ class SpecDecoder:
                     d = self.declines.setdefault(kd, _Acceptance(0.0, 2.0))  # prior: 0 of 2 declined
                     d.accepted = self.DECLINE_DECAY * d.accepted + (s.request_id in self._declined)
                     d.tried = self.DECLINE_DECAY * d.tried + 1.0
+        # What each row drafted with: the drafter may have changed a row's kind (LookupDrafter.propose).
+        self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
         self._draft_s = time.perf_counter() - t0
 
     def update_from_output(self, scheduled: list, sampled: list, step_seconds: float | None) -> None:

@@ -208,11 +208,23 @@ class LookupDrafter:
     """
 
     has_model = True
+    # A greedy row whose match is shorter than this drafts with the model too, and keeps the copy
+    # only where the two begin alike (`propose`); from here on (NgramDrafter.BUCKETS' last) the
+    # copy is trusted alone. Measured with the shipped feature draft over 40 training prompts: a
+    # copy of 2-7 tokens began right 87% of the time where the model's first draft agreed (221
+    # steps), and 24% where it did not, the model 45% there (253 steps); a copy of 8+ tokens was
+    # right 65% of the time where they disagreed, the model 19%.
+    TRUST_MATCH = 8
+    DISPUTE_DECAY = 0.9
 
     def __init__(self, model, ngram: NgramDrafter | None = None, min_match: int = 3):
         self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
         self.name = f"{model.name}+ngram"
         self.hidden_sink = model.hidden_sink
+        # Where the copy and the model began differently: who turned out right (decayed counts, the
+        # prior as measured above). While the copy wins, short copies are no longer checked.
+        self.wins = {"model": 2.0, "lookup": 1.0}
+        self._disputes: dict[str, tuple[int, int, int]] = {}  # request -> (position, copy's token, model's)
 
     def _lookup(self, seq: Sequence) -> bool:
         return self.ngram.match_length(seq) >= self.min_match
@@ -239,16 +251,49 @@ class LookupDrafter:
         return self.ngram.prior(kind) if kind.startswith("ngram:") else 0.5
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], kinds: list[str] | None = None) -> None:
-        """kinds: each row's kind of draft (from `options`); default: lookup wherever there is a match."""
+        """kinds: each row's kind of draft (from `options`); default: lookup wherever there is a match.
+
+        A greedy row drafting a short copy (TRUST_MATCH) is drafted by the model too: where the model's
+        first token differs from the copy's, the row keeps the model's drafts and its entry in `kinds`
+        becomes "model" (what it drafted with, for the acceptance counts). Sampled rows keep the copy:
+        choosing by the model's sample would change the drafts' distribution.
+        """
         lookup = ([k.startswith("ngram:") for k in kinds] if kinds is not None else [self._lookup(s) for s in seqs])
-        for part, drafter in ((True, self.ngram), (False, self.model)):
-            rows = [(s, k) for s, k, lk in zip(seqs, num_draft, lookup) if lk is part]
-            if rows:
-                drafter.propose([s for s, _ in rows], [k for _, k in rows])
+        for seq in seqs:
+            self._settle(seq)
+        check = self.wins["model"] >= self.wins["lookup"]
+        checked = [i for i, (s, lk) in enumerate(zip(seqs, lookup)) if check and lk and s.sampler.params.greedy
+                   and self.ngram.match_length(s) < self.TRUST_MATCH]
+        rows = [i for i, lk in enumerate(lookup) if lk]
+        if rows:
+            self.ngram.propose([seqs[i] for i in rows], [num_draft[i] for i in rows])
+        copies = {i: seqs[i].spec_token_ids for i in checked}
+        rows = [i for i, lk in enumerate(lookup) if not lk or i in copies]
+        if rows:
+            self.model.propose([seqs[i] for i in rows], [num_draft[i] for i in rows])
+        for i, copy in copies.items():
+            seq, own = seqs[i], seqs[i].spec_token_ids
+            if own and copy and own[0] != copy[0]:
+                self._disputes[seq.request_id] = (seq.num_tokens, copy[0], own[0])
+                if kinds is not None:
+                    kinds[i] = "model"
+            else:
+                seq.spec_token_ids, seq.spec_probs = copy, None
+
+    def _settle(self, seq: Sequence) -> None:
+        """Count who was right at the row's last dispute, once the target has decided that token."""
+        d = self._disputes.get(seq.request_id)
+        if d is None or seq.num_tokens <= d[0]:
+            return
+        del self._disputes[seq.request_id]
+        actual = seq.token_ids[d[0]]
+        for who, token in (("lookup", d[1]), ("model", d[2])):
+            self.wins[who] = self.DISPUTE_DECAY * self.wins[who] + (token == actual)
 
     def remove(self, request_id: str) -> None:
         self.ngram.remove(request_id)
         self.model.remove(request_id)
+        self._disputes.pop(request_id, None)
 
     def nbytes(self, shared: set[int]) -> int:
         nbytes = getattr(self.model, "nbytes", None)
