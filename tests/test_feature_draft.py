@@ -285,6 +285,42 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     assert engine.spec_decoder.acceptance == {}
 
 
+def test_round_cost_is_timed_on_decode_rounds_only(fm, tiny_models, monkeypatch):
+    """The draft round cost adaptive k charges per token (`round_s`) is timed on rounds feeding one or two
+    tokens a row: not on a prompt's catch-up, nor on the catch-up after lookup drafted for a while
+    (every token accepted meanwhile fed in one round). A clock that charges 1 ms per token fed says so."""
+    from mlx.utils import tree_map
+
+    import macinfer.spec_decode.feature_draft as feature_draft
+
+    model, tok = mlx_lm.load(str(tiny_models("llama")))
+    model.update(tree_map(lambda w: w * 0.3 if w.ndim > 1 else w, model.parameters()))  # repeats itself
+    engine = LLMEngine(model, tok, None, max_model_len=256, block_size=4, num_blocks=80,
+                       draft=f"{fm['draft']}+ngram", num_speculative_tokens=3, adaptive_speculation=False)
+    d = engine.spec_decoder.drafter.model
+    d.min_joint = 0.0
+    clock, fed = {"now": 0.0}, []
+    monkeypatch.setattr(feature_draft, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock["now"])}))
+    run_ = d._run
+
+    def timed(sts, tokens, feats):
+        fed.append(max(map(len, tokens)))
+        clock["now"] += 0.001 * fed[-1]
+        return run_(sts, tokens, feats)
+
+    d._run = timed
+    propose, measured = d.propose, []
+
+    def watched(seqs, ks):
+        propose(seqs, ks)
+        measured.append(d.round_s or 0.0)
+
+    d.propose = watched
+    run(engine, [(i, p, SamplingParams(max_tokens=32, ignore_eos=True), f"r{i}") for i, p in enumerate(fm["prompts"])])
+    assert any(2 < n <= 8 for n in fed) and any(n <= 2 for n in fed)  # catch-ups of a few tokens, and decode rounds
+    assert 0.001 <= max(measured) <= 0.002 + 1e-9
+
+
 def test_narrowing_the_head_keeps_the_most_generated_tokens(fm, tmp_path, monkeypatch):
     """scripts/train/train_eagle.py head: the head keeps the N of its ids the target generates most (prompt
     tokens do not count; ties go to the lower id), nothing else in the file changes, and the

@@ -69,8 +69,12 @@ class Drafter(Protocol):
 
 
 # A draft round feeding at most this many tokens per row is a decode round (last step's verified
-# tokens) and is timed for `round_s`; a new prompt's catch-up is not the steady cost.
-STEADY_TOKENS = 8
+# tokens) and is timed for `round_s`, the cost adaptive k charges per drafted token. A new prompt's
+# catch-up is not that cost, nor a catch-up after lookup drafted for a while (LookupDrafter: the
+# model is then fed every token accepted meanwhile, up to 13 rows in one round): counted, those
+# made `round_s` 4.1-5.8 ms where a round of one or two rows costs 2.0-2.3 ms (SmolLM2's feature
+# draft on the dev CPU), and kept drafting off where it paid.
+STEADY_TOKENS = 2
 
 
 def draft_pick(seq: Sequence, logits: mx.array):
