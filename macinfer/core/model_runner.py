@@ -125,11 +125,15 @@ class ModelRunner:
     def _hidden(self, tokens: mx.array, seqs: list, starts: list[int], counts: list[int]) -> mx.array:
         """The final hidden states (B, L, D) of a forward, reported to the sink."""
         h = self.body(tokens, cache=self.caches)
+        self._report(seqs, starts, counts, h)
+        return h
+
+    def _report(self, seqs: list, starts: list[int], counts: list[int], h: mx.array) -> None:
+        """Hand a forward's final hidden states (lazy) to the sink."""
         self.hidden_sink(seqs, starts, counts, h)
         # Evaluated with the forward even when nothing is sampled (a mid-prefill chunk): a lazy h
         # still reads the pools, and a later write to them would then copy every pool.
         self._with_forward.append(h)
-        return h
 
     def _take_with_forward(self) -> list[mx.array]:
         out, self._with_forward = self._with_forward, []
@@ -190,9 +194,8 @@ class ModelRunner:
         graph = self.decode_graph
         if all_logits and head is None and graph is not None and graph.verifies(len(tokens), max(counts)):
             logits, h = graph.verify_logits(tables, starts, tokens, prompt_lens, self.hidden_sink is not None)
-            if h is not None:  # what _hidden does eagerly
-                self.hidden_sink(seqs, starts, counts, h)
-                self._with_forward.append(h)
+            if h is not None:
+                self._report(seqs, starts, counts, h)
             return logits
         L = self.set_context(tables, starts, counts, prompt_lens)
         last = [n - 1 for n in counts]
