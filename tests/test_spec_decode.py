@@ -496,6 +496,40 @@ def test_each_row_drafts_with_whichever_pays(models, good):
     assert used[good] > 3 * max(used[bad], 1), used
 
 
+class _Copy(NgramDrafter):
+    """A fixed match length and copy."""
+    length, copy = 5, [7, 8, 9]
+
+    def match_length(self, seq):
+        return self.length
+
+    def available(self, seq, k):
+        return min(k, len(self.copy))
+
+    def propose(self, seqs, num_draft):
+        for s, k in zip(seqs, num_draft):
+            s.spec_token_ids, s.spec_probs = self.copy[:k], None
+
+
+class _FirstThenCount:
+    """A model drafter that drafts `first`, then 1, 2, ..."""
+    name, has_model, hidden_sink, first, round_s = "model", True, None, 7, None
+
+    def __init__(self):
+        self.asked = 0
+
+    def available(self, seq, k):
+        return k
+
+    def propose(self, seqs, num_draft):
+        for s, k in zip(seqs, num_draft):
+            self.asked += 1
+            s.spec_token_ids, s.spec_probs = ([self.first] + list(range(1, k)))[:k], None
+
+    def remove(self, request_id):
+        pass
+
+
 def test_a_short_copy_is_kept_where_the_model_begins_alike():
     """LookupDrafter: a greedy row with a short match (< TRUST_MATCH) is drafted by the model too and keeps
     the copy only where the model's first token agrees; otherwise it keeps the model's drafts and says so
@@ -503,31 +537,7 @@ def test_a_short_copy_is_kept_where_the_model_begins_alike():
     copies are not checked. Long matches and sampled rows keep the copy without asking the model."""
     from macinfer.spec_decode.drafter import LookupDrafter
 
-    class Copy(NgramDrafter):  # a fixed match length and copy
-        length, copy = 5, [7, 8, 9]
-
-        def match_length(self, seq):
-            return self.length
-
-        def propose(self, seqs, num_draft):
-            for s, k in zip(seqs, num_draft):
-                s.spec_token_ids, s.spec_probs = self.copy[:k], None
-
-    class Model:  # drafts `first` then 1, 2, ...
-        name, has_model, hidden_sink, first = "model", True, None, 7
-
-        def __init__(self):
-            self.asked = 0
-
-        def propose(self, seqs, num_draft):
-            for s, k in zip(seqs, num_draft):
-                self.asked += 1
-                s.spec_token_ids, s.spec_probs = ([self.first] + list(range(1, k)))[:k], None
-
-        def remove(self, request_id):
-            pass
-
-    model, copy = Model(), Copy()
+    model, copy = _FirstThenCount(), _Copy()
     d = LookupDrafter(model, copy)
     greedy = Sequence("g", [1, 2, 3], SamplingParams(max_tokens=8))
 
@@ -549,3 +559,45 @@ def test_a_short_copy_is_kept_where_the_model_begins_alike():
     assert draft(sampled) == ([7, 8, 9], "ngram:2") and model.asked == 2  # a sampled row: the copy
     d.wins = {"lookup": 3.0, "model": 2.0}  # the copy has been right more often where they disagreed
     assert draft(greedy) == ([7, 8, 9], "ngram:2") and model.asked == 2
+
+
+
+def test_the_unused_draft_of_a_checked_copy_is_scored():
+    """Where a copy was checked against the model, the draft the row did not use is scored as a one-token
+    draft of its kind by the token the target kept there: the model's estimate learns from the steps a
+    copy drafted (else a model that agreed with an accepted copy is never credited, and a few rejections
+    of its own stop it drafting for the rest of a reply), and the copy's from the steps the model drafted."""
+    from macinfer.core.scheduler import ScheduledSequence
+    from macinfer.spec_decode.decoder import SpecDecoder
+    from macinfer.spec_decode.drafter import LookupDrafter
+
+    model, copy = _FirstThenCount(), _Copy()
+    spec = SpecDecoder(LookupDrafter(model, copy), num_speculative_tokens=3, adaptive=False)
+    seq = Sequence("g", [1, 2, 3], SamplingParams(max_tokens=16))
+    seq.status = SequenceStatus.RUNNING
+
+    def step(kept):
+        """Draft for seq, then verify: the target keeps `kept` (accepted drafts, then its own token)."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        spec.propose([seq])
+        k = len(seq.spec_token_ids)
+        spec.update_from_output([ScheduledSequence(seq, 1 + k, k)], [kept], None)
+        for t in kept:
+            seq.append_token(t)
+        return spec._kinds["g"]
+
+    def counts(kind):
+        a = spec.acceptance[("g", kind)]
+        return round(a.accepted, 6), round(a.tried, 6)
+
+    assert step([7, 5]) == "ngram:2"  # the model agreed: the copy drafted, 1 of its 3 accepted
+    assert counts("ngram:2") == (1.0, 2.0) and counts("model") == (1.0, 1.0)  # the model's 7 was right too
+    model.first = 4
+    assert step([7]) == "model"  # disputed: the model's 4 drafted and was rejected; the target kept the copy's 7
+    fade = spec.IDLE_DECAY * spec.ASK_DECAY / spec.IDLE_DECAY  # a step's aging, then asked
+    assert counts("model") == (round(fade * 1.0 + 0, 6), round(fade * 1.0 + 1, 6))
+    assert counts("ngram:2") == (round(fade * 1.0 + 1, 6), round(fade * 2.0 + 1, 6))
+    copy.length = 9  # a long copy is not checked: nothing to score beside it
+    before = counts("model")
+    assert step([7, 8, 9, 1]) == "ngram:3"
+    assert counts("model") == tuple(round(v * spec.IDLE_DECAY, 6) for v in before)

@@ -34,7 +34,8 @@ A request's counts fade fast while it drafts (its latest drafts say most) and sl
 it does not, so its estimate drifts back to the prior and it probes again now and then. A
 step that goes synchronous to draft also pays what queueing it would have hidden
 (StepCost.sync_penalty). Where the drafter offers several kinds for a row (a LookupDrafter:
-lookup or its model), the row takes the one expected to give the most tokens per second.
+lookup or its model), the row takes the one expected to give the most tokens per second; where
+both drafted (a checked copy), the one not used is scored as a one-token draft of its kind.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class SpecDecoder:
         self.acceptance: dict[tuple[str, str], _Acceptance] = {}
         self.pooled: dict[str, _Acceptance] = {}
         self._kinds: dict[str, str] = {}  # request -> the kind it drafted this step
+        self._shadows: dict[str, tuple[str, int]] = {}  # request -> (a kind drafted but not used, its first token)
         self.step_cost = StepCost()
         self._draft_s = 0.0  # time spent drafting in the current step
         self._declined: set[str] = set()  # requests the drafter was asked to draft for and did not
@@ -372,6 +374,7 @@ class SpecDecoder:
                     d.tried = self.DECLINE_DECAY * d.tried + 1.0
         # What each row drafted with: the drafter may have changed a row's kind (LookupDrafter.propose).
         self._kinds = {s.request_id: kd for s, kd in zip(decodes, kinds)}
+        self._shadows = dict(getattr(self.drafter, "shadows", None) or {}) if K > 0 else {}
         self._draft_s = time.perf_counter() - t0
 
     def update_from_output(self, scheduled: list, sampled: list, step_seconds: float | None) -> None:
@@ -401,6 +404,9 @@ class SpecDecoder:
             accepted = len(toks) - 1
             tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
             self._record(s.seq.request_id, kind, accepted, tried, own=not s.seq.is_finished)
+            shadow = self._shadows.get(s.seq.request_id)
+            if shadow is not None:  # the other kind's first token, judged by the token the target kept there
+                self._record(s.seq.request_id, shadow[0], float(shadow[1] == toks[0]), 1.0, own=not s.seq.is_finished)
             m = s.seq.metrics
             m.draft_tokens += k
             m.accepted_tokens += accepted

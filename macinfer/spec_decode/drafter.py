@@ -229,6 +229,10 @@ class LookupDrafter:
         # prior as measured above). While the copy wins, short copies are no longer checked.
         self.wins = {"model": 2.0, "lookup": 1.0}
         self._disputes: dict[str, tuple[int, int, int]] = {}  # request -> (position, copy's token, model's)
+        # This step's checked rows: request -> (the kind that was not used, its first token). The
+        # speculative decoder scores these as one-token drafts of that kind, so the model's estimate
+        # learns from steps that a copy drafted (and the copy's from the model's).
+        self.shadows: dict[str, tuple[str, int]] = {}
 
     def _lookup(self, seq: Sequence) -> bool:
         return self.ngram.match_length(seq) >= self.min_match
@@ -265,6 +269,7 @@ class LookupDrafter:
         lookup = ([k.startswith("ngram:") for k in kinds] if kinds is not None else [self._lookup(s) for s in seqs])
         for seq in seqs:
             self._settle(seq)
+        self.shadows = {}
         check = self.wins["model"] >= self.wins["lookup"]
         checked = [i for i, (s, lk) in enumerate(zip(seqs, lookup)) if check and lk and s.sampler.params.greedy
                    and self.ngram.match_length(s) < self.TRUST_MATCH]
@@ -279,9 +284,12 @@ class LookupDrafter:
             seq, own = seqs[i], seqs[i].spec_token_ids
             if own and copy and own[0] != copy[0]:
                 self._disputes[seq.request_id] = (seq.num_tokens, copy[0], own[0])
+                self.shadows[seq.request_id] = (self.ngram.kind(seq), copy[0])
                 if kinds is not None:
                     kinds[i] = "model"
             else:
+                if own:
+                    self.shadows[seq.request_id] = ("model", own[0])
                 seq.spec_token_ids, seq.spec_probs = copy, None
 
     def _settle(self, seq: Sequence) -> None:
