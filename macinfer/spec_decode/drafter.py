@@ -82,8 +82,8 @@ def draft_pick(seq: Sequence, logits: mx.array):
     draft draws from q, the distribution the verifier's rejection sampling must be given."""
     if seq.sampler.params.greedy:
         return mx.argmax(logits, axis=-1), None
-    q = seq.sampler.probs(logits)
-    return mx.random.categorical(mx.log(q), key=seq.sampler.next_key()), q
+    scaled = seq.sampler.scaled(logits)  # q = softmax(scaled): drawn from without taking log(q)
+    return mx.random.categorical(scaled, key=seq.sampler.next_key()), mx.softmax(scaled, axis=-1)
 
 
 def pick_kept(seq: Sequence, sub: mx.array, head):
