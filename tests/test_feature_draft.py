@@ -276,7 +276,7 @@ def test_lookup_where_the_text_repeats_the_draft_elsewhere(fm, tiny_models):
     assert sum(m.lookup_draft_tokens for m in metrics) == drafted["lookup"] > 0
     assert sum(m.draft_tokens - m.lookup_draft_tokens for m in metrics) == drafted["model"] > 0
     assert all(m.lookup_accepted_tokens <= m.lookup_draft_tokens for m in metrics)
-    kinds = set(engine.spec_decoder.pooled)
+    kinds = {kind for kind, _ in engine.spec_decoder.pooled}
     assert "model" in kinds and any(k.startswith("ngram:") for k in kinds), kinds
     engine.step()
     for pool in (engine.block_pool, d.model.pool):

@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from macinfer.core.sampling import SamplingParams
+from macinfer.core.sequence import Sequence, SequenceStatus
 from macinfer.spec_decode.drafter import NgramDrafter
 from macinfer.spec_decode.rejection import greedy_verify, rejection_sample
 
@@ -258,3 +260,35 @@ def test_acceptance_is_tracked_per_kind_of_draft():
     assert spec.alpha("other", "ngram:0") < NgramDrafter.BUCKETS[0][1]  # the pool learned too
     spec.remove("r")
     assert spec.acceptance == {}
+
+
+def test_sampled_and_greedy_requests_pool_apart():
+    """A new request's prior is the pooled rate of requests drafted in its own mode: drafts that failed
+    under sampling leave a new greedy request's estimate at the prior, and a new sampled one's low."""
+    from macinfer.spec_decode.decoder import SpecDecoder
+
+    spec = SpecDecoder(NgramDrafter())
+    prior = NgramDrafter.BUCKETS[1][1]
+    for _ in range(10):
+        spec._record("s", "ngram:1", accepted=0, tried=1, sampled=True)
+    assert spec.alpha("new", "ngram:1") == prior
+    assert spec.alpha("new", "ngram:1", sampled=True) < prior / 2
+    # The decoder records each row's drafts in its mode's pool and asks with each row's own mode.
+    from macinfer.core.scheduler import ScheduledSequence
+
+    text = [1, 2, 3, 4, 9, 1, 2, 3, 4]  # "1 2 3 4" again: a match of 4 tokens, kind ngram:1
+    greedy = Sequence("g", text, SamplingParams(max_tokens=8))
+    sampled = Sequence("t", text, SamplingParams(max_tokens=8, temperature=1.0))
+    for seq in (greedy, sampled):
+        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, len(text) - 1
+    assert spec.kind(greedy) == "ngram:1"
+    tried = spec.pooled["ngram:1", True].tried
+    spec._kinds = {"t": "ngram:1"}
+    spec.update_from_output([ScheduledSequence(sampled, 3, 2)], [[9]], None)  # both drafts rejected
+    assert spec.pooled["ngram:1", True].tried == tried + 1 and spec.pooled["ngram:1", False].tried == 4.0
+    asked = []
+    spec.choose_k = lambda alphas, *a, **kw: asked.append(alphas) or 0
+    spec.step_cost.observe(1, 0.05)
+    spec._choose([greedy, sampled], 1, sync_now=True)
+    assert asked == [[spec.alpha("g", "ngram:1"), spec.alpha("t", "ngram:1", sampled=True)]]
+    assert asked[0][0] == prior > asked[0][1]

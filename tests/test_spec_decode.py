@@ -344,7 +344,7 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
     seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 2
     assert spec.wants_sync([seq], pending=True)  # at the prior acceptance (0.5), K = 2 pays
     assert spec.wants_sync([seq], pending=False)  # ... carried out by the next step
-    spec.alpha = lambda rid, kind="": 0.01  # judged again, it no longer pays (a knife edge)
+    spec.alpha = lambda rid, kind="", sampled=False: 0.01  # judged again, it no longer pays (a knife edge)
     spec.propose([seq])
     assert seq.spec_token_ids == [7, 7] and spec._plan_backoff == 0
     del spec.alpha

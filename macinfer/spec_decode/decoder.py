@@ -22,8 +22,8 @@ choice is K per step, from the requests' tracked acceptance and measured costs:
     K*                         argmax_K  sum_i E_i(K) / T(K)        (K = 0: no speculation)
 
 a_i is request i's acceptance rate for the kind of draft it would get now (decayed
-counts, with the drafter's pooled rate for that kind as prior; a drafter may tell kinds
-apart, as NgramDrafter does by match length); A + b * tokens is the measured cost of a
+counts, with the pooled rate for that kind as prior, greedy and sampled requests pooled
+apart; a drafter may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the measured cost of a
 decode step (a linear fit over recent decode-only steps, forgetting old ones: StepCost
 in macinfer.spec_decode.step_cost), D the measured cost of one draft-model round (0 for n-gram,
 and when no row would draft with the model), r_i how often the drafter lately declined a
@@ -130,10 +130,12 @@ class SpecDecoder:
         self.drafter = drafter
         self.max_k = num_speculative_tokens
         self.adaptive = adaptive
-        # Decayed counts per (request, kind of draft) and pooled per kind: kinds are the
-        # drafter's (`kind(seq)`, e.g. an n-gram match-length bucket), "" if it has none.
+        # Decayed counts per (request, kind of draft), and pooled per (kind, sampled): kinds are the
+        # drafter's (`kind(seq)`, e.g. an n-gram match-length bucket), "" if it has none. Sampled
+        # and greedy requests pool apart: a draft is accepted less often under sampling (it must
+        # match a draw, not the argmax), so each mode's new requests start from their own rate.
         self.acceptance: dict[tuple[str, str], _Acceptance] = {}
-        self.pooled: dict[str, _Acceptance] = {}
+        self.pooled: dict[tuple[str, bool], _Acceptance] = {}
         self._kinds: dict[str, str] = {}  # request -> the kind it drafted this step
         self._shadows: dict[str, tuple[str, int]] = {}  # request -> (a kind drafted but not used, its first token)
         self.step_cost = StepCost()
@@ -157,24 +159,27 @@ class SpecDecoder:
         fn = getattr(self.drafter, "prior", None)
         return fn(kind) if fn is not None else 0.5
 
-    def _pool(self, kind: str) -> _Acceptance:
-        pool = self.pooled.get(kind)
+    def _pool(self, kind: str, sampled: bool) -> _Acceptance:
+        pool = self.pooled.get((kind, sampled))
         if pool is None:  # starts at the drafter's prior for this kind, worth 4 drafts
-            pool = self.pooled[kind] = _Acceptance(accepted=4.0 * self._prior(kind), tried=4.0)
+            pool = self.pooled[kind, sampled] = _Acceptance(accepted=4.0 * self._prior(kind), tried=4.0)
         return pool
 
-    def alpha(self, request_id: str, kind: str = "") -> float:
-        pool = self._pool(kind)
+    def alpha(self, request_id: str, kind: str = "", sampled: bool = False) -> float:
+        """A request's acceptance rate for drafts of this kind: its own decayed counts, with its mode's
+        pooled rate as prior."""
+        pool = self._pool(kind, sampled)
         a = self.acceptance.get((request_id, kind), _Acceptance())
         return (a.accepted + self.PRIOR * pool.accepted / max(pool.tried, 1e-9)) / (a.tried + self.PRIOR)
 
-    def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True) -> None:
+    def _record(self, request_id: str, kind: str, accepted: float, tried: float, own: bool = True,
+                sampled: bool = False) -> None:
         if own:
             a = self.acceptance.setdefault((request_id, kind), _Acceptance())
             fade = self.ASK_DECAY / self.IDLE_DECAY  # asked this step: ASK_DECAY in all
             a.accepted = fade * a.accepted + accepted
             a.tried = fade * a.tried + tried
-        pool = self._pool(kind)
+        pool = self._pool(kind, sampled)
         pool.accepted += accepted
         pool.tried += tried
 
@@ -241,7 +246,7 @@ class SpecDecoder:
         for a in self.acceptance.values():
             a.accepted *= self.IDLE_DECAY
             a.tried *= self.IDLE_DECAY
-        for kind, pool in self.pooled.items():  # drifts back to the prior while unused
+        for (kind, _), pool in self.pooled.items():  # drifts back to the prior while unused
             pool.accepted = self.POOL_DECAY * pool.accepted + (1 - self.POOL_DECAY) * self._prior(kind)
             pool.tried = self.POOL_DECAY * pool.tried + (1 - self.POOL_DECAY)
 
@@ -269,7 +274,7 @@ class SpecDecoder:
                 min(self.max_k, s.max_tokens - s.num_output_tokens - last) for s in seqs]
         picks = [self._option(s, c, len(seqs), sync_now) if c > 0 else (self.kind(s), 0) for s, c in zip(seqs, caps)]
         kinds, offers = [k for k, _ in picks], [o for _, o in picks]
-        alphas = [self.alpha(s.request_id, kd) for s, kd in zip(seqs, kinds)]
+        alphas = [self.alpha(s.request_id, kd, not s.sampler.params.greedy) for s, kd in zip(seqs, kinds)]
         declines = [self.decline_rate(kd) for kd in kinds]
         rounds = any(o > 0 and self._uses_model(kd) for o, kd in zip(offers, kinds))
         K = self.choose_k(alphas, offers, rounds, declines, sync_now) if seqs else 0
@@ -296,7 +301,7 @@ class SpecDecoder:
         sync = self.step_cost.sync_penalty
         best, pick = 1.0 / (base + (sync if sync_now else 0.0)), (found[0][0], 0)
         for kind, offer in found:
-            a, d = self.alpha(seq.request_id, kind), self.decline_rate(kind)
+            a, d = self.alpha(seq.request_id, kind, not seq.sampler.params.greedy), self.decline_rate(kind)
             round_s = self.draft_round_seconds() if self._uses_model(kind) else 0.0
             for k in range(1, offer + 1):
                 rate = expected_tokens(a, k) / (base + sync + slope * k * (1.0 - d) + round_s * k)
@@ -394,19 +399,20 @@ class SpecDecoder:
             kind = self._kinds.get(s.seq.request_id, "")  # what drafted for it this step
             if s.seq.is_finished:  # its target blocks are free already: free the drafter's too
                 self.remove(s.seq.request_id)
-            k = s.num_spec_tokens
+            k, sampled_row = s.num_spec_tokens, not s.seq.sampler.params.greedy
             if not k:
                 if s.seq.request_id in self._declined and not s.seq.is_finished:
                     # Asked and declined (a feature draft unsure of its first token): the draft
                     # round cost time and bought nothing, like a rejected draft.
-                    self._record(s.seq.request_id, kind, 0.0, 1.0)
+                    self._record(s.seq.request_id, kind, 0.0, 1.0, sampled=sampled_row)
                 continue
             accepted = len(toks) - 1
             tried = min(accepted + 1, k)  # drafts after the first rejection were never tested
-            self._record(s.seq.request_id, kind, accepted, tried, own=not s.seq.is_finished)
+            self._record(s.seq.request_id, kind, accepted, tried, not s.seq.is_finished, sampled_row)
             shadow = self._shadows.get(s.seq.request_id)
             if shadow is not None:  # the other kind's first token, judged by the token the target kept there
-                self._record(s.seq.request_id, shadow[0], float(shadow[1] == toks[0]), 1.0, own=not s.seq.is_finished)
+                self._record(s.seq.request_id, shadow[0], float(shadow[1] == toks[0]), 1.0, not s.seq.is_finished,
+                             sampled_row)
             m = s.seq.metrics
             m.draft_tokens += k
             m.accepted_tokens += accepted

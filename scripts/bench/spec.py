@@ -22,7 +22,8 @@ prompts (topics the drafts never trained on), single stream, greedy, stopping at
 n-gram lookup, the feature draft, the token draft and auto, interleaved per prompt (order
 rotated), each prompt --reps times per engine (a prompt's ratio: the median of its runs),
 reported as total decoded tokens over total decode time per engine and per-prompt speed-ups (min
-/ median / max); then a text that never repeats (random words sampled at T=1) the same way, and
+/ median / max); then a text that never repeats (random words sampled at T=1, four seeds, judged
+by total tokens over total time: one run's ratio moves by +-5% on this host), and
 the checks auto is held to (>= the best single drafter, >= 1.2x, no prompt below 0.95x, >= 0.97x
 on the never-repeating text). Three fixed chat prompts say little about chat in general; this says
 more. --candidate DIR adds a feature draft being considered, alone and with lookup.
@@ -71,6 +72,10 @@ print("valid items:", x)
 print("invalid items:", len(items) - x)
 '''
 RANDOM = "Continue this list of random words: zebra quantum velvet 7 orbit mango 42 tundra flux cobalt"
+# The never-repeating text is sampled with this many seeds (--reps runs each) and judged by total tokens
+# over total time: one run's ratio moves by +-5% here with nothing drafted (n-gram lookup that found no
+# match, 15 runs: 0.946-1.078x), so one text's median of three cannot tell 0.97x from 1.0x.
+RANDOM_SEEDS = 4
 
 
 def load():
@@ -165,7 +170,8 @@ def heldout_chat(args):
 
     Each prompt runs --reps times per engine, the engines' order rotated per run (this CPU's speed
     drifts, and other work shares it); a prompt's ratio is the median of its runs' ratios. Then a
-    text that never repeats (random words, sampled at temperature 1), the same way.
+    text that never repeats (random words, sampled at temperature 1) with RANDOM_SEEDS seeds, --reps
+    runs each, its ratio the engines' total tokens over total time.
     """
     sys.path.insert(0, str(ROOT / "scripts" / "train"))
     from train_draft import heldout_prompts
@@ -192,18 +198,25 @@ def heldout_chat(args):
           + (f"; SIMULATED times (cost model {args.simulate} ms: A, b, D, H)" if clock else ""), flush=True)
     greedy = SamplingParams(max_tokens=args.tokens)
     totals, per_prompt, same = _interleaved(engines, prompts, greedy, args.reps, "prompt")
-    never = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=0)
-    print("a text that never repeats (random words, sampled at T=1):", flush=True)
-    _, random_ratio, _ = _interleaved(engines, [chat_ids(tok, RANDOM)], never, args.reps, "random")
+    print(f"a text that never repeats (random words, sampled at T=1, {RANDOM_SEEDS} seeds):", flush=True)
+    random_totals = {k: [0, 0.0, 0, 0] for k in engines}
+    for seed in range(RANDOM_SEEDS):
+        never = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=seed)
+        got, _, _ = _interleaved(engines, [chat_ids(tok, RANDOM)], never, args.reps, f"seed {seed}", seed * args.reps)
+        for k, t in got.items():
+            random_totals[k] = [a + b for a, b in zip(random_totals[k], t)]
+    plain = random_totals["plain"][0] / random_totals["plain"][1]
+    random_ratio = {k: t[0] / t[1] / plain for k, t in random_totals.items()}
     _report(engines, totals, per_prompt, random_ratio, same)
 
 
-def _interleaved(engines, prompts, params, reps, label):
-    """Every prompt `reps` times per engine, order rotated; (totals, per-prompt median ratios, same output)."""
+def _interleaved(engines, prompts, params, reps, label, turn=0):
+    """Every prompt `reps` times per engine, order rotated (from `turn`); (totals, per-prompt median ratios,
+    same output)."""
     keys = list(engines)
     totals = {k: [0, 0.0, 0, 0] for k in keys}  # tokens, seconds, drafted, accepted
     ratios = {k: [] for k in keys}
-    same, turn = True, 0
+    same = True
     for i, ids in enumerate(prompts):
         runs = {k: [] for k in keys}
         for _ in range(reps):
@@ -242,7 +255,7 @@ def _report(engines, totals, per_prompt, random_ratio, same):
         r = sorted(per_prompt[k])
         print(f"  {k:8} {tokens / seconds:5.1f} tok/s ({overall[k]:.2f}x overall; per prompt {r[0]:.2f} / "
               f"{statistics.median(r):.2f} / {r[-1]:.2f}x min / median / max; never-repeating text "
-              f"{random_ratio[k][0]:.2f}x), {accepted} of {drafted} drafts accepted ({accepted / max(drafted, 1):.2f})",
+              f"{random_ratio[k]:.2f}x), {accepted} of {drafted} drafts accepted ({accepted / max(drafted, 1):.2f})",
               flush=True)
         spec = engines[k].spec_decoder
         if spec is not None and spec.step_cost.ready:  # what adaptive k weighed, as the engine measured it
@@ -257,7 +270,7 @@ def _report(engines, totals, per_prompt, random_ratio, same):
                   if best else [])
         checks += [("auto >= 1.2x plain", overall["auto"] >= 1.2),
                    ("no held-out prompt below 0.95x", min(per_prompt["auto"]) >= 0.95),
-                   ("never-repeating text >= 0.97x", random_ratio["auto"][0] >= 0.97)]
+                   ("never-repeating text >= 0.97x", random_ratio["auto"] >= 0.97)]
         for what, ok in checks:
             print(f"  {'ok  ' if ok else 'FAIL'} {what}")
 
