@@ -67,6 +67,7 @@ def test_full_queue_gets_429_with_retry_after(served, llm, monkeypatch):
     url, app = served
     aengine = app.state.server.engine
     gate, step = threading.Event(), llm.engine.step
+    monkeypatch.setattr(aengine, "on_step", lambda dt, deltas: time.sleep(0.2) if any(d.finish_reason == "abort" for d in deltas) else None)
     # Each step waits for the gate, then 10 ms: 480 tokens take seconds, so a loaded host's event loop
     # still sees the hang-up long before the request could end on its own.
     monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), time.sleep(0.01), step())[2])
@@ -131,6 +132,7 @@ def test_non_streaming_client_that_leaves_aborts_its_request(served, llm, monkey
     aengine = app.state.server.engine
     aborted = aengine.num_aborted
     gate, step = threading.Event(), llm.engine.step
+    monkeypatch.setattr(aengine, "on_step", lambda dt, deltas: time.sleep(0.2) if any(d.finish_reason == "abort" for d in deltas) else None)
     # Each step waits for the gate, then 10 ms: 480 tokens take seconds, so a loaded host's event loop
     # still sees the hang-up long before the request could end on its own.
     monkeypatch.setattr(llm.engine, "step", lambda: (gate.wait(30), time.sleep(0.01), step())[2])
@@ -142,9 +144,12 @@ def test_non_streaming_client_that_leaves_aborts_its_request(served, llm, monkey
         while aengine.num_active == 0:
             threading.Event().wait(0.01)
     gate.set()  # the client is gone: now let the engine run
-    while llm.engine.has_unfinished() or aengine.num_active:
+    # NOTE: the engine thread counts the abort just after the step that emitted it, by which time the
+    # engine may already be idle: wait for the count itself (the request alone would take > 4.8 s).
+    deadline = time.monotonic() + 30
+    while (aengine.num_aborted == aborted or llm.engine.has_unfinished()) and time.monotonic() < deadline:
         threading.Event().wait(0.01)
-    assert aengine.num_aborted == aborted + 1
+    assert aengine.num_aborted == aborted + 1 and aengine.num_active == 0
     assert llm.engine.kv_stats()["used_blocks"] == 0
 
 
