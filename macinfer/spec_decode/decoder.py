@@ -23,8 +23,8 @@ choice is K per step, from the requests' tracked acceptance and measured costs:
 
 a_i is request i's acceptance rate for the kind of draft it would get now (decayed
 counts, with the pooled rate for that kind as prior, greedy and sampled requests pooled
-apart; a drafter may tell kinds apart, as NgramDrafter does by match length); A + b * tokens is the measured cost of a
-decode step (a linear fit over recent decode-only steps, forgetting old ones: StepCost
+apart; a drafter may tell kinds apart, as NgramDrafter does by match length); A + b * tokens
+is the measured cost of a decode step (a linear fit over recent decode-only steps, forgetting old ones: StepCost
 in macinfer.spec_decode.step_cost), D the measured cost of one draft-model round (0 for n-gram,
 and when no row would draft with the model), r_i how often the drafter lately declined a
 row of that kind (a feature draft unsure of its first token drafts nothing: the round is

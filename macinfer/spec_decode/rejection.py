@@ -77,15 +77,15 @@ def rejection_sample(p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.
     # The one emitted token is drawn at position j = num_accepted: from the residual
     # max(0, p_j - q_j) where a draft was rejected, from p_k where all were accepted. Only that
     # row is built (the other k rows' passes over the vocabulary cost ~0.4 ms each on a CPU).
-    j = num_accepted[..., None]  # (..., 1, 1)
-    p_j = mx.take_along_axis(p, j, axis=-2)[..., 0, :]  # (..., V)
-    if q is None:  # one-hot q: the residual is p_j without the draft (no draft at j = k)
-        padded = mx.concatenate([drafts, mx.full(drafts[..., :1].shape, -1, mx.int32)], axis=-1)
-        d_j = mx.take_along_axis(padded, num_accepted, axis=-1)  # (..., 1)
-        residual = mx.where(mx.arange(p.shape[-1]) == d_j, 0.0, p_j)
+    p_j = mx.take_along_axis(p, num_accepted[..., None], axis=-2)[..., 0, :]  # (..., V)
+    rejected = num_accepted < k  # (..., 1): else j = k, no draft there, the residual is p_k itself
+    last = mx.minimum(num_accepted, k - 1)
+    if q is None:  # one-hot q: the residual is p_j without the draft
+        d_j = mx.take_along_axis(drafts, last, axis=-1)  # (..., 1)
+        residual = mx.where((mx.arange(p.shape[-1]) == d_j) & rejected, 0.0, p_j)
     else:
-        q_pad = mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2)  # q_k = 0: the residual is p_k
-        residual = mx.maximum(p_j - mx.take_along_axis(q_pad, j, axis=-2)[..., 0, :], 0.0)
+        q_j = mx.take_along_axis(q, last[..., None], axis=-2)[..., 0, :]
+        residual = mx.maximum(p_j - mx.where(rejected, q_j, 0.0), 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
     # NOTE: a residual has zero mass only where p == q, and then that position is
     # accepted with probability 1, so the fallback to p is never emitted.
