@@ -292,3 +292,52 @@ def test_sampled_and_greedy_requests_pool_apart():
     spec._choose([greedy, sampled], 1, sync_now=True)
     assert asked == [[spec.alpha("g", "ngram:1"), spec.alpha("t", "ngram:1", sampled=True)]]
     assert asked[0][0] == prior > asked[0][1]
+
+
+def checked_copy_generate(P, Q, copy_q: bool, n_tokens=3, seed=0):
+    """N generations where each step drafts as LookupDrafter does on a sampled row with a short copy:
+    the model draws d_0 ~ Q; where it equals the copy's first token the copy (COPY's chain from the
+    context) is drafted, else the model's own chain. q: the model's rows, or for a kept copy
+    copy_probs (copy_q) or one-hot everywhere (the naive choice)."""
+    from macinfer.spec_decode.drafter import copy_probs
+
+    rng = np.random.default_rng(seed)
+    copy_next = (np.arange(V) + 1) % V  # the copy: token t is followed by t + 1
+    out = np.zeros((N, n_tokens + K + 1), dtype=np.int64)
+    count, ctx, key = np.zeros(N, dtype=np.int64), np.full(N, START), mx.random.key(seed)
+    Pm = mx.array(P, dtype=mx.float32)
+    while (count < n_tokens).any():
+        drafts, prev = np.zeros((N, K), dtype=np.int64), ctx.copy()
+        for i in range(K):  # the model's chain, drawn from Q
+            drafts[:, i] = (np.cumsum(Q[prev], 1) < rng.random(N)[:, None]).sum(1).clip(max=V - 1)
+            prev = drafts[:, i]
+        q = np.stack([Q[np.concatenate([ctx[:, None], drafts[:, :-1]], 1)[:, i]] for i in range(K)], 1)
+        kept = drafts[:, 0] == copy_next[ctx]
+        chain = np.stack([copy_next[ctx]] + [(copy_next[ctx] + i) % V for i in range(1, K)], 1)
+        drafts[kept] = chain[kept]
+        # A kept copy's q depends on the context only (its first row is Q[ctx], its chain follows ctx).
+        chains = [[int(copy_next[c] + i) % V for i in range(K)] for c in range(V)]
+        if copy_q:
+            kept_q = np.stack([np.array(copy_probs(mx.array(Q[c], dtype=mx.float32), chains[c])) for c in range(V)])
+        else:
+            kept_q = np.eye(V, dtype=np.float32)[np.array(chains)]
+        q = np.where(kept[:, None, None], kept_q[ctx], q).astype(np.float32)
+        prevs = np.concatenate([ctx[:, None], drafts], axis=1)
+        key, sub = mx.random.split(key)
+        res = np.array(rejection_sample(Pm[mx.array(prevs)], mx.array(drafts, dtype=mx.int32), mx.array(q), sub))
+        active, a = count < n_tokens, res[:, 0]
+        for j in range(K + 1):
+            r = np.flatnonzero(active & (j <= a))
+            out[r, count[r] + j] = res[r, 1 + j]
+        count = np.where(active, count + a + 1, count)
+        ctx = out[np.arange(N), count - 1]
+    return out[:, :n_tokens]
+
+
+def test_a_copy_kept_where_the_models_draw_agrees_stays_exact():
+    """LookupDrafter on a sampled row keeps a short copy only where the model's own draw matches its first
+    token, so that token is distributed as the model's q: verified with copy_probs (the model's row, then
+    one-hot) the output follows the target; verified as a deterministic copy (one-hot) it does not."""
+    P, Q = tables()
+    assert joint_pvalue(checked_copy_generate(P, Q, copy_q=True), P) > 1e-3
+    assert joint_pvalue(checked_copy_generate(P, Q, copy_q=False), P) < 1e-6

@@ -386,12 +386,13 @@ def feature_draft(m, out, keep):
     return str(out)
 
 
-@pytest.mark.parametrize("kind", ["model", "top", "subset", "feature"])
+@pytest.mark.parametrize("kind", ["model", "top", "subset", "feature", "checked-copy"])
 def test_sampled_tokens_follow_the_target(models, kind):
     """First three sampled tokens (top-3, temperature 1) against the target's exact joint distribution.
 
     The first comes from the prefill; the next two from one verify step with two drafts,
-    from a perturbed copy of the target (sampled q) or from a deterministic drafter.
+    from a perturbed copy of the target (sampled q) or from a deterministic drafter; "checked-copy":
+    a short copy checked against that perturbed model's draw (LookupDrafter), kept where they agree.
     """
     from mlx.utils import tree_map
 
@@ -423,8 +424,21 @@ def test_sampled_tokens_follow_the_target(models, kind):
         draft, _ = mlx_lm.load(str(m["target"]))
         noise = mx.random.key(7)
         # Close enough to the target that some drafts are accepted whatever the schedule (at 0.15 almost none were).
-        draft.update(tree_map(lambda w: w + 0.05 * mx.random.normal(w.shape, key=noise) if w.ndim > 1 else w,
+        scale = 0.01 if kind == "checked-copy" else 0.05  # near the target: its draws often agree with the copy
+        draft.update(tree_map(lambda w: w + scale * mx.random.normal(w.shape, key=noise) if w.ndim > 1 else w,
                               draft.parameters()))
+        if kind == "checked-copy":  # a 5-token match, checked against that model's draw at every step
+            from macinfer.spec_decode.drafter import LookupDrafter
+
+            # The copy: the target's likeliest two tokens after its likeliest first one. Verified as a
+            # deterministic copy (q one-hot) where the model's draw agreed, its first token would come out
+            # with about p^2 instead of p, which this test detects.
+            a = int(p[()].argmax())
+            b = int(p[(a,)].argmax())
+            copy = _Copy()
+            copy.copy = [b, int(p[(a, b)].argmax())]
+            draft = LookupDrafter(DraftModelDrafter(draft, 900, 4), copy)
+            draft.wins = {"model": float("inf"), "lookup": 0.0}  # the model always wins disputes: copies stay checked
     engine = LLMEngine(model, m["tok"], None, max_model_len=64, block_size=4, num_blocks=900, max_num_seqs=64,
                        draft=draft, num_speculative_tokens=2, adaptive_speculation=False)
     n = 1000 if kind == "top" else 1500
@@ -524,17 +538,21 @@ class _FirstThenCount:
     def propose(self, seqs, num_draft):
         for s, k in zip(seqs, num_draft):
             self.asked += 1
-            s.spec_token_ids, s.spec_probs = ([self.first] + list(range(1, k)))[:k], None
+            s.spec_token_ids = ([self.first] + list(range(1, k)))[:k]
+            # A sampled row's drafts come with q: row i puts 0.5 on its draft, the rest spread evenly.
+            q = np.full((k, 12), 0.5 / 11, np.float32)
+            q[np.arange(k), s.spec_token_ids] = 0.5
+            s.spec_probs = None if s.sampler.params.greedy else mx.array(q)
 
     def remove(self, request_id):
         pass
 
 
 def test_a_short_copy_is_kept_where_the_model_begins_alike():
-    """LookupDrafter: a greedy row with a short match (< TRUST_MATCH) is drafted by the model too and keeps
-    the copy only where the model's first token agrees; otherwise it keeps the model's drafts and says so
-    in its kind. Who turned out right where they disagreed is counted, and while the copy wins, short
-    copies are not checked. Long matches and sampled rows keep the copy without asking the model."""
+    """LookupDrafter: a row with a short match (< TRUST_MATCH) is drafted by the model too and keeps the
+    copy only where the model's first token agrees; otherwise it keeps the model's drafts and says so in
+    its kind. Who turned out right where they disagreed is counted, and while the copy wins, short copies
+    are not checked. Long matches keep the copy without asking the model."""
     from macinfer.spec_decode.drafter import LookupDrafter
 
     model, copy = _FirstThenCount(), _Copy()
@@ -554,11 +572,19 @@ def test_a_short_copy_is_kept_where_the_model_begins_alike():
     copy.length = 9
     assert draft(greedy) == ([7, 8, 9], "ngram:3") and model.asked == 2  # a long copy: not checked
     assert d.wins == {"lookup": 0.9 * wins["lookup"] + 1, "model": 0.9 * wins["model"]}  # the dispute settled
+    # A sampled row is checked too: where the model drew the copy's first token, the copy is verified
+    # against the model's q at its first position (it was drawn from it) and one-hot after.
     sampled = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0))
-    copy.length = 5
-    assert draft(sampled) == ([7, 8, 9], "ngram:2") and model.asked == 2  # a sampled row: the copy
+    copy.length, model.first, d.wins = 5, 7, {"model": 2.0, "lookup": 1.0}
+    assert draft(sampled) == ([7, 8, 9], "ngram:2") and model.asked == 3
+    q = np.array(sampled.spec_probs)
+    assert q.shape == (3, 12) and q[0, 7] == 0.5 and np.allclose(q[0].sum(), 1.0)
+    assert (q[1:] == np.eye(12)[[8, 9]]).all()
+    model.first = 4
+    assert draft(sampled) == ([4, 1, 2], "model") and model.asked == 4  # disputed: the model's drafts and q
+    assert np.array(sampled.spec_probs)[0, 4] == 0.5
     d.wins = {"lookup": 3.0, "model": 2.0}  # the copy has been right more often where they disagreed
-    assert draft(greedy) == ([7, 8, 9], "ngram:2") and model.asked == 2
+    assert draft(greedy) == ([7, 8, 9], "ngram:2") and model.asked == 4
 
 
 

@@ -102,6 +102,20 @@ def pick_kept(seq: Sequence, sub: mx.array, head):
     return draft_pick(seq, head.expand(sub))
 
 
+def copy_probs(q0: mx.array, copy: list[int]) -> mx.array:
+    """q for a copy whose first token a sampled model draft drew (LookupDrafter.propose): (len(copy), V).
+
+    The copy is kept only where the model's own draw d_0 equals its first token, and the model's drafts
+    are kept otherwise, so d_0 is distributed as the model's row q0 either way; given d_0 the later copy
+    tokens are fixed (one-hot rows). Rejection sampling with this q stays exact.
+    """
+    width = max(q0.shape[-1], max(copy) + 1)
+    if width > q0.shape[-1]:  # a draft head narrower than a copied token id: zero mass there
+        q0 = mx.pad(q0, [(0, width - q0.shape[-1])])
+    rest = (mx.arange(width)[None] == mx.array(copy[1:], dtype=mx.int32)[:, None]).astype(q0.dtype)
+    return mx.concatenate([q0[None], rest])
+
+
 def module_bytes(module, shared: set[int]) -> int:
     """Bytes of a module's arrays, leaving out those in `shared` (ids of the target's own arrays:
     a draft that reads the target's embedding holds no copy of it)."""
@@ -212,7 +226,7 @@ class LookupDrafter:
     """
 
     has_model = True
-    # A greedy row whose match is shorter than this drafts with the model too, and keeps the copy
+    # A row whose match is shorter than this drafts with the model too, and keeps the copy
     # only where the two begin alike (`propose`); from here on (NgramDrafter.BUCKETS' last) the
     # copy is trusted alone. Measured with the shipped feature draft over 40 training prompts: a
     # copy of 2-7 tokens began right 87% of the time where the model's first draft agreed (221
@@ -261,18 +275,19 @@ class LookupDrafter:
     def propose(self, seqs: list[Sequence], num_draft: list[int], kinds: list[str] | None = None) -> None:
         """kinds: each row's kind of draft (from `options`); default: lookup wherever there is a match.
 
-        A greedy row drafting a short copy (TRUST_MATCH) is drafted by the model too: where the model's
-        first token differs from the copy's, the row keeps the model's drafts and its entry in `kinds`
-        becomes "model" (what it drafted with, for the acceptance counts). Sampled rows keep the copy:
-        choosing by the model's sample would change the drafts' distribution.
+        A row drafting a short copy (TRUST_MATCH) is drafted by the model too: where the model's first
+        token differs from the copy's, the row keeps the model's drafts and its entry in `kinds` becomes
+        "model" (what it drafted with, for the acceptance counts). On a sampled row the model's first
+        token is its own draw, so a kept copy is verified against the model's q at its first position
+        (`copy_probs`).
         """
         lookup = ([k.startswith("ngram:") for k in kinds] if kinds is not None else [self._lookup(s) for s in seqs])
         for seq in seqs:
             self._settle(seq)
         self.shadows = {}
         check = self.wins["model"] >= self.wins["lookup"]
-        checked = [i for i, (s, lk) in enumerate(zip(seqs, lookup)) if check and lk and s.sampler.params.greedy
-                   and self.ngram.match_length(s) < self.TRUST_MATCH]
+        checked = [i for i, (s, lk) in enumerate(zip(seqs, lookup))
+                   if check and lk and self.ngram.match_length(s) < self.TRUST_MATCH]
         rows = [i for i, lk in enumerate(lookup) if lk]
         if rows:
             self.ngram.propose([seqs[i] for i in rows], [num_draft[i] for i in rows])
@@ -290,7 +305,8 @@ class LookupDrafter:
             else:
                 if own:
                     self.shadows[seq.request_id] = ("model", own[0])
-                seq.spec_token_ids, seq.spec_probs = copy, None
+                q = seq.spec_probs  # a sampled row whose model drew the copy's first token: see copy_probs
+                seq.spec_token_ids, seq.spec_probs = copy, None if q is None or not copy else copy_probs(q[0], copy)
 
     def _settle(self, seq: Sequence) -> None:
         """Count who was right at the row's last dispute, once the target has decided that token."""
