@@ -299,7 +299,7 @@ class LookupDrafter:
             seq, own = seqs[i], seqs[i].spec_token_ids
             if own and copy and own[0] != copy[0]:
                 self._disputes[seq.request_id] = (seq.num_tokens, copy[0], own[0])
-                self.shadows[seq.request_id] = (self.ngram.kind(seq), copy[0])
+                self.shadows[seq.request_id] = (kinds[i] if kinds is not None else self.ngram.kind(seq), copy[0])
                 if kinds is not None:
                     kinds[i] = "model"
             else:
