@@ -17,7 +17,7 @@ import pytest
 
 from macinfer.core.sampling import SamplingParams
 from macinfer.core.sequence import Sequence, SequenceStatus
-from macinfer.spec_decode.drafter import NgramDrafter
+from macinfer.spec_decode.drafter import NgramDrafter, copy_probs
 from macinfer.spec_decode.rejection import greedy_verify, rejection_sample
 
 V, K, N, START = 4, 3, 60_000, 0
@@ -299,8 +299,6 @@ def checked_copy_generate(P, Q, copy_q: bool, n_tokens=3, seed=0):
     the model draws d_0 ~ Q; where it equals the copy's first token the copy (COPY's chain from the
     context) is drafted, else the model's own chain. q: the model's rows, or for a kept copy
     copy_probs (copy_q) or one-hot everywhere (the naive choice)."""
-    from macinfer.spec_decode.drafter import copy_probs
-
     rng = np.random.default_rng(seed)
     copy_next = (np.arange(V) + 1) % V  # the copy: token t is followed by t + 1
     out = np.zeros((N, n_tokens + K + 1), dtype=np.int64)
