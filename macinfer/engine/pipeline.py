@@ -68,6 +68,7 @@ class Pipeline:
         self.scheduler, self.runner, self.output, self.spec_decoder = scheduler, runner, output, spec_decoder
         self.inflight: InFlight | None = None  # the step queued and not yet read back
         self._last_resolve: float | None = None  # when the previous queued step was read back
+        self._reads = 0  # read-backs in this run of queued steps (0: none queued, a synchronous step next)
 
     def start(self) -> bool:
         """Launch a step if every running sequence can decode without a synchronous step; whether it did."""
@@ -91,8 +92,14 @@ class Pipeline:
             # each. The last read-back before a synchronous step has none: where queueing
             # blocks until the step before is done (MLX on the CPU), it times only that
             # step's tail (~20 ms of ~160 at 8 rows), and the fit took decode for cheap.
+            # Nor does the first interval of a run of queued steps: the run's first step was
+            # launched behind nothing and its second built on it at once, and on the CPU backend
+            # the pair's time sometimes splits unevenly between them (seen: 64 + 12 ms for two
+            # 38 ms steps). Timed as one step, the 12 ms made drafting look 3x dearer than it is
+            # (the fit's sync_penalty went to 14-21 ms), so drafting stopped for ~15 steps.
             now = time.perf_counter()
-            full = self._last_resolve is not None and self.inflight is not None
+            self._reads = self._reads + 1 if self.inflight is not None else 0
+            full = self._reads >= 3  # the interval from the run's second read-back on
             self.spec_decoder.skip_step(self.scheduler.running, len(prev.seqs),
                                 now - self._last_resolve if full else None)
             self._last_resolve = now if self.inflight is not None else None
