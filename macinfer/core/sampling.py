@@ -54,15 +54,22 @@ class Sampler:
             return mx.argmax(logprobs, axis=-1)
         return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=self.next_key())
 
+    def _filters(self, vocab: int) -> list:
+        """The filters this request applies, in mlx-lm's order (top-p, min-p, top-k): (logprobs -> logprobs)."""
+        p = self.params
+        steps = []
+        if 0 < p.top_p < 1.0:
+            steps.append(lambda x: apply_top_p(x, p.top_p))
+        if p.min_p != 0.0:
+            steps.append(lambda x: apply_min_p(x, p.min_p))
+        if 0 < p.top_k < vocab:
+            steps.append(lambda x: apply_top_k(x, p.top_k))
+        return steps
+
     def filter(self, logprobs: mx.array) -> mx.array:
         """Apply top-p, min-p, top-k (mlx-lm's order) to log-probabilities (..., V)."""
-        p = self.params
-        if 0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        if 0 < p.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
+        for f in self._filters(logprobs.shape[-1]):
+            logprobs = f(logprobs)
         return logprobs
 
     def probs(self, logits: mx.array) -> mx.array:
@@ -75,10 +82,9 @@ class Sampler:
         """(..., V) logits whose softmax is `probs` (sampled requests): the filters applied, divided by the
         temperature. Without filters no log-softmax is taken first: it would not change the softmax, and
         each pass of exp over the vocabulary costs ~0.4 ms a row on MLX's CPU backend (SmolLM2's 49k)."""
-        p = self.params
-        if 0 < p.top_p < 1.0 or p.min_p != 0.0 or 0 < p.top_k < logits.shape[-1]:
+        if self._filters(logits.shape[-1]):
             logits = self.filter(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        return logits * (1.0 / p.temperature)
+        return logits * (1.0 / self.params.temperature)
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)

@@ -382,6 +382,12 @@ def _evaluator(config: EngineConfig, cpu_lazy: bool) -> StepEvaluator:
     return StepEvaluator(threaded and config.async_scheduling)
 
 
+def _may_compile(config: EngineConfig, threaded: bool) -> bool:
+    """Any forward compiled at all: not switched off, async scheduling on, and the eval thread (the NOTE
+    in `_compiles_decode`)."""
+    return config.compile_decode is not False and config.async_scheduling and threaded
+
+
 def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threaded: bool) -> bool:
     """Decode forwards as compiled graphs (macinfer.core.decode_graph): asked for, or by default where
     `cpu_lazy` holds, for a small model; never for a forward that evaluates as it is built (tracing must
@@ -390,11 +396,9 @@ def _compiles_decode(config: EngineConfig, ranks, model, cpu_lazy: bool, threade
     NOTE: with mx.async_eval pipelining instead (no eval thread), a compiled step was seen to find
     the previous step's pool still referenced now and then, and to copy the whole KV pool.
     """
-    if config.compile_decode is False or not config.async_scheduling:
-        return False
-    if not threaded:
-        if config.compile_decode:
-            print("note: compile_decode is off: it needs the eval thread (eval_thread=True)", file=sys.stderr)
+    if config.compile_decode and config.async_scheduling and not threaded:
+        print("note: compile_decode is off: it needs the eval thread (eval_thread=True)", file=sys.stderr)
+    if not _may_compile(config, threaded):
         return False
     if config.compile_decode:
         return ranks is None and not forward_evaluates(model)
@@ -406,7 +410,7 @@ def _compiles_verify(config: EngineConfig, ranks, model, cpu_lazy: bool, threade
     decode forwards are (`_compiles_decode`), but for a model of any size, and never through tapped layers
     (an EAGLE-3 draft's). A synchronous step waits for its forward's graph to be built; compiled, that
     is one call, and the fused elementwise chains dispatch fewer ops."""
-    if config.compile_decode is False or not config.async_scheduling or not threaded or ranks is not None:
+    if not _may_compile(config, threaded) or ranks is not None:
         return False
     return (bool(config.compile_decode) or cpu_lazy) and not forward_evaluates(model) and not tapped(model)
 
