@@ -262,6 +262,24 @@ def test_acceptance_is_tracked_per_kind_of_draft():
     assert spec.acceptance == {}
 
 
+def test_a_short_streak_of_rejections_does_not_outweigh_the_pool():
+    """Three rejections in a row happen often (17% of the time at 45% acceptance): they must not put a
+    request whose drafts the pool says pay below break-even (~0.15-0.2 on the dev host, where it then
+    stopped drafting for ~20 steps), while a text that never accepts still drops under it."""
+    from macinfer.spec_decode.decoder import SpecDecoder
+
+    spec = SpecDecoder(NgramDrafter())
+    for _ in range(300):
+        spec._record("others", "ngram:1", accepted=0.45, tried=1.0)
+    assert abs(spec.alpha("new", "ngram:1") - 0.45) < 0.02
+    for _ in range(3):
+        spec._record("r", "ngram:1", accepted=0, tried=1)
+    assert spec.alpha("r", "ngram:1") > 0.25
+    for _ in range(30):
+        spec._record("never", "ngram:1", accepted=0, tried=1, own=True)
+    assert spec.alpha("never", "ngram:1") < 0.15
+
+
 def test_sampled_and_greedy_requests_pool_apart():
     """A new request's prior is the pooled rate of requests drafted in its own mode: drafts that failed
     under sampling leave a new greedy request's estimate at the prior, and a new sampled one's low."""
