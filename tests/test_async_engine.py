@@ -68,6 +68,31 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_wake_up():
     assert len(wakeups) == 5  # one per step, not one per delta (40)
 
 
+def test_a_caller_that_stops_at_the_last_delta_is_done_not_aborted():
+    """A non-streaming route takes deltas up to the finished one and never asks for more. The
+    request must leave num_active then (it counts toward the queue's 429 and keeps a model in use),
+    and closing the iterator later must not send the engine an abort for a request it finished."""
+    aengine = AsyncEngine(Ticker(3, wait_for=1)).start()
+    aborts = []
+    real_abort = aengine.abort
+    aengine.abort = lambda rid: (aborts.append(rid), real_abort(rid))[1]
+
+    async def main():
+        stream = aengine.generate([1, 2], SamplingParams(max_tokens=3))
+        d = await stream.__anext__()
+        while d.finish_reason is None:
+            d = await stream.__anext__()
+        active = aengine.num_active
+        await stream.aclose()
+        return active
+
+    try:
+        active = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert (active, aborts) == (0, [])
+
+
 def test_one_engine_is_stepped_by_one_async_engine_at_a_time():
     engine = Ticker(1, wait_for=1)
     first = AsyncEngine(engine).start()

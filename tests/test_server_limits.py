@@ -141,7 +141,10 @@ def test_non_streaming_client_that_leaves_aborts_its_request(served, llm, monkey
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        while aengine.num_active == 0:
+        # The request must be in the engine (its first step held at the gate) before the hang-up:
+        # a hang-up before that leaves nothing to abort.
+        deadline = time.monotonic() + 30
+        while not llm.engine.has_unfinished() and time.monotonic() < deadline:
             threading.Event().wait(0.01)
     gate.set()  # the client is gone: now let the engine run
     # NOTE: the engine thread counts the abort just after the step that emitted it, by which time the

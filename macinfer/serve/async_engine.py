@@ -127,15 +127,16 @@ class AsyncEngine:
         self._send(("add", rid, list(prompt_token_ids), params, fork_of, mm))
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has already dropped it
+                # NOTE: finished is set before the last delta is yielded: a caller that stops after it
+                # (a route seldom asks for more) must neither count as active nor abort a done request.
+                finished = isinstance(item, BaseException) or item.finish_reason is not None
+                if finished:
+                    self._streams.pop(rid, None)
+                if isinstance(item, BaseException):  # the engine has already dropped the request
                     raise item
                 yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
         finally:
             self._streams.pop(rid, None)
             if not finished:
