@@ -354,6 +354,39 @@ def test_a_planned_step_drafts_unless_the_offer_is_gone():
     assert seq.spec_token_ids == [] and spec._plan_backoff == 1
 
 
+def test_a_stale_sync_penalty_is_probed_after_a_run_of_queued_steps():
+    """Synchronous steps timed on a busy host fit c near 30 ms (the step's real c is 2.5 ms), and
+    with it drafting does not pay. Queued steps never measure c, and as the busy steps fade the fit
+    moves their excess from c into b, which queued steps of one width cannot measure either: without
+    a probe nothing is planned for ~100 steps. After PROBE_AFTER queued steps, a step is planned as
+    if synchronous anyway; it drafts, and its own time (with the probes it calls for while it comes
+    in under the fit) brings the fit back, after which every step drafts."""
+    from macinfer.spec_decode.decoder import SpecDecoder
+
+    class Offers(NgramDrafter):
+        def available(self, seq, k):
+            return min(k, 2)
+
+    spec = SpecDecoder(Offers(), num_speculative_tokens=4)
+    step = lambda n, sync: 0.044 + 0.005 * n + (0.0025 if sync else 0.0)  # noqa: E731
+    spec.step_cost.observe(1, step(1, False))
+    for n in (2, 3, 2, 3, 2):
+        spec._measured_sync(n, step(n, True) + 0.0275)  # the busy moment
+    assert spec.step_cost.sync_penalty > 0.02
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=500))
+    seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 2
+    drafted = []
+    for i in range(100):
+        if spec.wants_sync([seq], pending=True):
+            assert spec.wants_sync([seq], pending=False)  # carried out by the next step, which drafts
+            spec._measured_sync(1 + spec._plan_k, step(1 + spec._plan_k, True))  # as update_from_output does
+            drafted.append(i)
+        else:
+            spec.skip_step([seq], 1, step(1, False))
+    assert drafted == list(range(SpecDecoder.PROBE_AFTER, 100))
+    assert spec.step_cost.sync_penalty < 0.005
+
+
 # -- sampling: the distribution is the target's ---------------------------------------------
 def sampled_prefixes(engine, prompt, n: int, width: int, max_tokens: int) -> tuple[dict, int, int]:
     """n requests sampled from `prompt` (temperature 1, top-k 3, seeds 0..n-1) -> (count of each

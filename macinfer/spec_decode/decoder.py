@@ -128,6 +128,11 @@ class SpecDecoder:
     POOL_DECAY = 0.99  # per step, the drafter's pooled counts (the prior of new requests)
     PRIOR = 4.0  # weight of the pooled rate in a request's estimate
     DECLINE_DECAY = 0.97  # per request asked, the pooled decline counts
+    # Queued steps measure A and b of the step cost but never c (StepCost.sync_penalty), so a c
+    # fitted on a few slow synchronous steps (a host busy for a moment) would hold drafting off
+    # until it faded, ~100 steps. After PROBE_AFTER queued steps, one step is planned as if it were
+    # synchronous anyway; if drafting pays then, it drafts, and its measurement refreshes c.
+    PROBE_AFTER = 32
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int = 12, adaptive: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
@@ -154,6 +159,7 @@ class SpecDecoder:
         self._draft_next, self._planned = False, False
         self._plan_backoff, self._plan_penalty = 0, 1
         self._plan_k = 0  # the K the carried-out plan was made for
+        self._since_sync = 0  # queued steps since a synchronous one was measured or probed for
 
     # -- acceptance -------------------------------------------------------------------
     def kind(self, seq: Sequence) -> str:
@@ -327,6 +333,9 @@ class SpecDecoder:
             self._plan_backoff -= 1
             return False
         K = self.plan_k(seqs, pending)
+        if not K and self._since_sync >= self.PROBE_AFTER:
+            self._since_sync = 0
+            K = self._choose(seqs, 2 if pending else 1, sync_now=True)[0]
         if K > 0:
             self._draft_next, self._plan_k = pending, K
             return True
@@ -337,6 +346,7 @@ class SpecDecoder:
         and learn its cost (wall time between two such steps, which is what K = 0 costs)."""
         self._tick(running)
         self.last_k = 0
+        self._since_sync += 1
         if seconds:
             self.step_cost.observe(num_rows, seconds)
 
@@ -426,7 +436,15 @@ class SpecDecoder:
                 m.lookup_draft_tokens += k
                 m.lookup_accepted_tokens += accepted
         if decode_only and scheduled and step_seconds is not None:
-            self.step_cost.observe(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6), sync=True)
+            self._measured_sync(len(scheduled) * width, max(step_seconds - self._draft_s, 1e-6))
+
+    def _measured_sync(self, tokens: int, seconds: float) -> None:
+        """A synchronous decode step's time, for the step cost. One that took well under what the fit
+        predicted shows the fit's c (or b) stale: the next queued step may probe again at once,
+        as one fresh step does not outweigh several stale ones."""
+        stale = self.step_cost.ready and seconds < 0.8 * (self.step_cost(tokens) + self.step_cost.sync_penalty)
+        self.step_cost.observe(tokens, seconds, sync=True)
+        self._since_sync = self.PROBE_AFTER if stale else 0
 
     def remove(self, request_id: str) -> None:
         for key in [key for key in self.acceptance if key[0] == request_id]:
