@@ -294,6 +294,47 @@ def test_step_cost_prior_gives_way_to_the_verify_steps():
     assert cost(1) == pytest.approx(0.0433, rel=0.03)
 
 
+def _busy_then_quiet(cost, quiet_steps: int):
+    """A busy host (every step slow, wide synchronous ones slower and noisier), then quiet
+    width-1 queued steps of 40 ms."""
+    import random
+
+    rng = random.Random(1)
+    cost.observe(1, 0.040)
+    for _ in range(30):
+        if rng.random() < 0.5:
+            cost.observe(1, 0.12 + rng.random() * 0.05)
+        else:
+            w = rng.choice([1, 2, 3])
+            cost.observe(w, 0.12 + 0.08 * w + rng.random() * 0.1, sync=True)
+    for _ in range(quiet_steps):
+        cost.observe(1, 0.040)
+
+
+def test_a_fit_starts_again_when_the_host_gets_faster():
+    """Two steps in a row well under the prediction: the busy steps are dropped, not faded over
+    ~100 steps (queued steps of one width could not move b or c)."""
+    from macinfer.spec_decode.step_cost import StepCost
+
+    cost = StepCost()
+    _busy_then_quiet(cost, 10)
+    assert cost(1) == pytest.approx(0.040, rel=0.05)
+    assert cost.sync_penalty < 0.005 and cost(3) < 0.05
+
+
+def test_a_coefficient_at_its_bound_is_held_there_while_the_others_are_solved():
+    """The busy steps left in (no restart): A's unconstrained optimum is negative. Held at its
+    bound, b and c are solved again, and T(1) follows the quiet steps; clipped after the solve,
+    T(1) stayed at 2.2x their measured time."""
+    from macinfer.spec_decode.step_cost import StepCost
+
+    cost = StepCost()
+    cost.FAST = 0.0  # never restart
+    _busy_then_quiet(cost, 40)
+    a, b = cost.coeffs()
+    assert a == pytest.approx(1e-6) and cost(1) < 0.05
+
+
 def test_adaptive_k_charges_declined_asks_their_draft_round_only():
     """A row the drafter often declines widens the forward less often: asking it costs less.
 

@@ -37,12 +37,15 @@ class StepCost:
     """
 
     RIDGE = 0.05  # weight (in observations) holding c at 0 where the steps do not tell c from b; never forgotten
+    LOWER = (1e-6, 0.0, 0.0)  # A > 0, b >= 0, c >= 0
+    FAST = 0.7  # steps under FAST x the prediction, twice in a row: the host got faster, start again
 
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, prior_weight: float = 3.0):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.xx = None  # weighted sums of f f^T and f y over the features f = (1, tokens, synchronous)
         self.xy = None
         self._coef = (0.0, 0.0, 0.0)  # A, b, c as last solved
+        self._fast = 0  # steps in a row that took under FAST x the prediction
 
     def _add(self, tokens: float, sync: bool, y: float, w: float) -> None:
         f = (1.0, float(tokens), 1.0 if sync else 0.0)
@@ -60,7 +63,14 @@ class StepCost:
             sync: a synchronous step (one that drafts, or was planned to): nothing of the host's
                 work per step overlaps a step queued behind it, as it does for queued steps.
         """
-        if self.xx is None:
+        # The host got faster (another process let go of the CPU): steps timed while it was busy
+        # would hold the fit high for ~100 steps (queued steps of one width cannot move b or c), so
+        # two steps in a row well under the prediction start the fit again from this one.
+        if self.xx is not None:
+            predicted = self(tokens) + (self.sync_penalty if sync else 0.0)
+            self._fast = self._fast + 1 if seconds < self.FAST * predicted else 0
+        if self.xx is None or self._fast >= 2:
+            self._fast = 0
             self.xx, self.xy = [[0.0] * 3 for _ in range(3)], [0.0] * 3
             # Prior: b = prior_slope x a one-token step's cost (this step's, by the prior's own slope).
             base = seconds / (1 + self.prior_slope * (tokens - 1))
@@ -72,18 +82,40 @@ class StepCost:
         self._coef = self._solve()
 
     def _solve(self) -> tuple[float, float, float]:
-        """(A, b, c) minimising the weighted squared error plus RIDGE * c^2; b, c >= 0 and A > 0."""
+        """(A, b, c) minimising the weighted squared error plus RIDGE * c^2, within LOWER.
+
+        NOTE: a coefficient below its bound is held at the bound and the others solved again (the
+        least-squares optimum on that face), not clipped after the solve: clipping A to 0 where the
+        unconstrained A came out negative (wide synchronous steps timed on a busy host, width-1
+        queued steps fast again) left T(1) at twice the queued steps' measured time, for as long
+        as those steps weighed anything.
+        """
+        held: dict[int, float] = {}
+        for _ in range(3):
+            coef = self._solve_holding(held)
+            if coef is None:
+                return self._coef
+            below = [i for i in range(3) if i not in held and coef[i] < self.LOWER[i]]
+            if not below:
+                return coef
+            worst = min(below, key=lambda i: coef[i] - self.LOWER[i])
+            held[worst] = self.LOWER[worst]
+        return tuple(max(v, low) for v, low in zip(coef, self.LOWER))
+
+    def _solve_holding(self, held: dict[int, float]) -> tuple[float, float, float] | None:
+        """The normal equations solved with the coefficients in `held` fixed; None if A or c is not
+        determined (a b that is not, steps of one size only, is held at 0)."""
         m = [row[:] + [y] for row, y in zip(self.xx, self.xy)]
         m[2][2] += self.RIDGE
-        scale = max(m[0][0], 1e-12)
+        for i, v in held.items():
+            m[i] = [float(i == j) for j in range(3)] + [v]
+        scale = max(self.xx[0][0], 1e-12)
         for col in range(3):  # Gauss-Jordan with partial pivoting on a 3 x 3 system
             piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
             if abs(m[piv][col]) <= 1e-9 * scale:  # steps of one size only: no slope to see
-                if col == 1:
-                    m[1] = [0.0, 1.0, 0.0, 0.0]  # b = 0, the other rows solved without it
-                    piv = 1
-                else:
-                    return self._coef
+                if col != 1:
+                    return None
+                m[1], piv = [0.0, 1.0, 0.0, 0.0], 1  # b = 0, the other rows solved without it
             m[col], m[piv] = m[piv], m[col]
             p = m[col][col]
             m[col] = [v / p for v in m[col]]
@@ -91,8 +123,7 @@ class StepCost:
                 if r != col and m[r][col]:
                     f = m[r][col]
                     m[r] = [a - f * b for a, b in zip(m[r], m[col])]
-        a, b, c = (m[i][3] for i in range(3))
-        return max(a, 1e-6), max(b, 0.0), max(c, 0.0)
+        return m[0][3], m[1][3], m[2][3]
 
     @property
     def ready(self) -> bool:
