@@ -133,6 +133,7 @@ class SpecDecoder:
     # until it faded, ~100 steps. After PROBE_AFTER queued steps, one step is planned as if it were
     # synchronous anyway; if drafting pays then, it drafts, and its measurement refreshes c.
     PROBE_AFTER = 32
+    STALE = 0.8  # a synchronous step under STALE x the fit's prediction: probe again at once
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int = 12, adaptive: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
@@ -242,7 +243,7 @@ class SpecDecoder:
                 all_decline *= d if min(K, o) > 0 else 1.0
             width = B * (1 + K * (1.0 - all_decline)) if K else B
             sync = bool(K) or sync_now
-            seconds = (self.step_cost(width) + (self.step_cost.sync_penalty if sync else 0.0)
+            seconds = (self.step_cost.predict(width, sync)
                        + (self.draft_round_seconds() * K if rounds else 0.0))
             if tokens / seconds > best * (1 + 1e-6):
                 best_k, best = K, tokens / seconds
@@ -442,7 +443,7 @@ class SpecDecoder:
         """A synchronous decode step's time, for the step cost. One that took well under what the fit
         predicted shows the fit's c (or b) stale: the next queued step may probe again at once,
         as one fresh step does not outweigh several stale ones."""
-        stale = self.step_cost.ready and seconds < 0.8 * (self.step_cost(tokens) + self.step_cost.sync_penalty)
+        stale = self.step_cost.ready and seconds < self.STALE * self.step_cost.predict(tokens, True)
         self.step_cost.observe(tokens, seconds, sync=True)
         self._since_sync = self.PROBE_AFTER if stale else 0
 

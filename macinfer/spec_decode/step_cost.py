@@ -67,8 +67,7 @@ class StepCost:
         # would hold the fit high for ~100 steps (queued steps of one width cannot move b or c), so
         # two steps in a row well under the prediction start the fit again from this one.
         if self.xx is not None:
-            predicted = self(tokens) + (self.sync_penalty if sync else 0.0)
-            self._fast = self._fast + 1 if seconds < self.FAST * predicted else 0
+            self._fast = self._fast + 1 if seconds < self.FAST * self.predict(tokens, sync) else 0
         if self.xx is None or self._fast >= 2:
             self._fast = 0
             self.xx, self.xy = [[0.0] * 3 for _ in range(3)], [0.0] * 3
@@ -141,6 +140,10 @@ class StepCost:
         """A queued decode step's time for `tokens` (a synchronous one costs `sync_penalty` more)."""
         a, b, _ = self._coef
         return a + b * tokens
+
+    def predict(self, tokens: int, sync: bool) -> float:
+        """A decode step's time for `tokens`, synchronous or queued."""
+        return self(tokens) + (self.sync_penalty if sync else 0.0)
 
     @property
     def sync_penalty(self) -> float:
